@@ -1,0 +1,3 @@
+from trnrt.cli import main
+
+main()

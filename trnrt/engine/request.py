@@ -1,0 +1,121 @@
+"""Request-side types shared by every stage: SamplingParams, FinishReason, GenerateRequest.
+
+Pure Python (no torch): the scheduler, the server and the tests build these without a model.
+Names follow SGLang's sampling parameters (max_new_tokens, stop_token_ids, ignore_eos, ...);
+the server maps OpenAI/vLLM spellings onto them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class InvalidRequestError(ValueError):
+    """A request field is out of range. `field` names the offending field (a 4xx, never a 500)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Defaults match SGLang's (`srt/sampling/sampling_params.py`).
+
+    temperature == 0 means greedy. top_k == -1 (or 0) disables top-k. `logprobs` is None (off),
+    0 (the chosen token's logprob only) or N (the chosen token plus the top-N alternatives).
+    `seed` makes sampling reproducible per request, whatever else is in the batch.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+
+    MAX_TOP_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Raise InvalidRequestError naming the field when a value is out of range."""
+        def bad(name: str, msg: str) -> None:
+            raise InvalidRequestError(f"{name} {msg}", field=name)
+
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 0:
+            bad("max_new_tokens", f"must be a non-negative integer, got {self.max_new_tokens!r}")
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            bad("top_k", f"must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                bad("stop", "must be a non-empty string or a list of non-empty strings")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bad("stop_token_ids", f"contains an invalid token id {t!r}")
+        if self.logprobs is not None:
+            if not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not (0 <= self.logprobs <= self.MAX_TOP_LOGPROBS):
+                bad("logprobs", f"must be an integer in [0, {self.MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def clone(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request ended. `type` is "stop" | "length" | "abort" (errors are aborts with a message).
+
+    `matched` is the token id or stop string that ended a "stop" finish (None for EOS-free stops).
+    """
+
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict:
+        d: dict = {"type": self.type}
+        if self.type == "stop":
+            d["matched"] = self.matched
+        if self.message is not None:
+            d["message"] = self.message
+        return d
+
+
+def new_request_id() -> str:
+    """A process-unique request id (32 hex chars, like SGLang's uuid4().hex)."""
+    return uuid.uuid4().hex
+
+
+@dataclass
+class GenerateRequest:
+    """What a client submits to the engine: token ids (already tokenized) and sampling params."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=new_request_id)
+    arrival_time_s: float | None = None
