@@ -43,10 +43,9 @@ def _root(
 
 def _register() -> None:
     # Each module adds its commands to `app`; none imports torch at module level.
-    from trnrt.cli import make_tiny  # noqa: F401
     import importlib
 
-    for name in ("generate", "bench", "serve", "top", "compile", "verify"):
+    for name in ("make_tiny", "generate", "bench", "serve", "top", "compile", "verify"):
         try:
             importlib.import_module(f"trnrt.cli.{name}")
         except ModuleNotFoundError as e:  # a command not built yet is simply not listed
