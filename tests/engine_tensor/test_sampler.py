@@ -1,0 +1,69 @@
+"""Sampler: greedy == argmax, filters, per-row seeded determinism independent of the batch."""
+
+import torch
+
+from trnrt.engine.sampler import SamplingTensors, sample, uniform_noise
+
+
+def _st(b, temperature=1.0, top_p=1.0, top_k=10**9, min_p=0.0, seeds=None, positions=None):
+    return SamplingTensors(
+        temperature=torch.full((b,), float(temperature)),
+        top_p=torch.full((b,), float(top_p)),
+        top_k=torch.full((b,), int(top_k), dtype=torch.int64),
+        min_p=torch.full((b,), float(min_p)),
+        seeds=torch.arange(b, dtype=torch.int64) if seeds is None else seeds,
+        positions=torch.zeros(b, dtype=torch.int64) if positions is None else positions,
+    )
+
+
+def test_greedy_is_argmax_and_logprobs_are_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300)
+    ids, lp, top_ids, top_lp = sample(logits, _st(5, temperature=0.0), 4)
+    assert torch.equal(ids, logits.argmax(-1))
+    ref = torch.log_softmax(logits, -1)
+    assert torch.allclose(lp, ref.gather(1, ids[:, None]).squeeze(1))
+    assert top_ids.shape == (5, 4) and torch.equal(top_ids[:, 0], ids)
+    assert torch.all(top_lp[:, :-1] >= top_lp[:, 1:])
+
+
+def test_noise_is_uniform_and_keyed_by_seed_and_position():
+    u = uniform_noise(torch.tensor([1, 1, 2, -7], dtype=torch.int64), torch.tensor([0, 1, 0, 5]), 50000)
+    assert torch.all(u > 0) and torch.all(u < 1)
+    assert abs(u.mean().item() - 0.5) < 0.01
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    again = uniform_noise(torch.tensor([1], dtype=torch.int64), torch.tensor([1]), 50000)
+    assert torch.equal(again[0], u[1])
+
+
+def test_seeded_row_same_alone_and_batched():
+    torch.manual_seed(1)
+    logits = torch.randn(9, 1000)
+    seeds = torch.tensor([123] + list(range(8)), dtype=torch.int64)
+    pos = torch.tensor([17] + list(range(8)), dtype=torch.int64)
+    batched, *_ = sample(logits, _st(9, temperature=0.9, top_p=0.95, seeds=seeds, positions=pos), 1)
+    alone, *_ = sample(logits[:1], _st(1, temperature=0.9, top_p=0.95, seeds=seeds[:1], positions=pos[:1]), 1)
+    assert batched[0] == alone[0]
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 1e-9]]))
+    n = 4000
+    st = _st(n, seeds=torch.arange(n, dtype=torch.int64))
+    ids, *_ = sample(logits.expand(n, -1), st, 1)
+    freq = torch.bincount(ids, minlength=4).float() / n
+    assert torch.allclose(freq[:3], torch.tensor([0.5, 0.3, 0.2]), atol=0.03), freq
+    assert freq[3] == 0
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]])).expand(2000, -1)
+    seeds = torch.arange(2000, dtype=torch.int64)
+    ids, *_ = sample(logits, _st(2000, top_k=2, seeds=seeds), 1)
+    assert set(ids.tolist()) == {0, 1}
+    ids, *_ = sample(logits, _st(2000, top_p=0.65, seeds=seeds), 1)  # 0.4 + 0.3 reaches 0.65
+    assert set(ids.tolist()) == {0, 1}
+    ids, *_ = sample(logits, _st(2000, min_p=0.6, seeds=seeds), 1)  # keeps p >= 0.24
+    assert set(ids.tolist()) == {0, 1}
+    ids, *_ = sample(logits, _st(2000, top_p=0.01, seeds=seeds), 1)  # always keeps the best token
+    assert set(ids.tolist()) == {0}

@@ -1,0 +1,65 @@
+"""The layer direction of DESIGN.md holds, and the light entry points never load torch."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_py(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_help_does_not_import_torch():
+    r = _run_py(
+        """
+        import sys
+        from trnrt.cli import main
+        sys.argv = ["trnrt", "--help"]
+        try:
+            main()
+        except SystemExit as e:
+            assert e.code == 0, e.code
+        heavy = [m for m in ("torch", "transformers", "falcon", "textual") if m in sys.modules]
+        assert not heavy, heavy
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert "serve" in r.stdout or "make-tiny" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "trnrt",
+        "trnrt.config",
+        "trnrt.engine.request",
+        "trnrt.engine.outputs",
+        "trnrt.engine.client",
+        "trnrt.engine.scheduler",
+        "trnrt.engine.cache_manager",
+        "trnrt.stats",
+        "trnrt.top.app",
+        "trnrt.cli.top",
+    ],
+)
+def test_pure_python_modules_do_not_import_torch(module):
+    r = _run_py(f"import sys, importlib; importlib.import_module({module!r}); assert 'torch' not in sys.modules")
+    assert r.returncode == 0, r.stderr
+
+
+def test_import_linter_contracts_hold():
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+    assert exe, "import-linter is a test dependency"
+    r = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 broken" in r.stdout, r.stdout

@@ -1,0 +1,91 @@
+"""EngineConfig: the settings a compiled graph depends on."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+class EngineConfigError(ValueError):
+    """An EngineConfig value is invalid; `field` names it."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+def _check_buckets(name: str, buckets: tuple[int, ...]) -> None:
+    if not buckets:
+        raise EngineConfigError(f"{name} must not be empty", field=name)
+    if any((not isinstance(b, int)) or b <= 0 for b in buckets):
+        raise EngineConfigError(f"{name} must hold positive integers, got {list(buckets)}", field=name)
+    if list(buckets) != sorted(set(buckets)):
+        raise EngineConfigError(f"{name} must be strictly increasing, got {list(buckets)}", field=name)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Graph-shaping settings. Every graph the runner runs is padded to these buckets.
+
+    decode_batch_buckets: batch sizes of the decode graph (B sequences x 1 token).
+    prefill_token_buckets: token counts of the prefill graph (one sequence chunk x S tokens).
+    block_size: tokens per page of the paged state; a multiple of the model's index_kpool.
+    num_blocks / num_slots: sizes of the paged cache and the per-sequence slot pool, including the
+    reserved scratch block 0 and slot 0 that padding rows write to.
+    """
+
+    dtype: str = "float32"
+    block_size: int = 16
+    max_model_len: int = 1024
+    decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    prefill_token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256)
+    num_blocks: int = 1025
+    num_slots: int = 33
+    max_top_logprobs: int = 20
+    preset: str = "default"
+    variants: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise EngineConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}", field="dtype")
+        for name in ("block_size", "max_model_len", "num_blocks", "num_slots"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise EngineConfigError(f"{name} must be a positive integer, got {v!r}", field=name)
+        object.__setattr__(self, "decode_batch_buckets", tuple(self.decode_batch_buckets))
+        object.__setattr__(self, "prefill_token_buckets", tuple(self.prefill_token_buckets))
+        _check_buckets("decode_batch_buckets", self.decode_batch_buckets)
+        _check_buckets("prefill_token_buckets", self.prefill_token_buckets)
+        if self.num_slots < 2:
+            raise EngineConfigError("num_slots must be >= 2 (slot 0 is reserved scratch)", field="num_slots")
+        if self.num_blocks < 2:
+            raise EngineConfigError("num_blocks must be >= 2 (block 0 is reserved scratch)", field="num_blocks")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def max_decode_batch(self) -> int:
+        return self.decode_batch_buckets[-1]
+
+    @property
+    def max_prefill_tokens(self) -> int:
+        return self.prefill_token_buckets[-1]
+
+    def decode_bucket(self, batch: int) -> int:
+        """Smallest decode batch bucket >= batch."""
+        for b in self.decode_batch_buckets:
+            if b >= batch:
+                return b
+        raise ValueError(f"decode batch {batch} exceeds the largest bucket {self.max_decode_batch}")
+
+    def prefill_bucket(self, num_tokens: int) -> int:
+        """Smallest prefill token bucket >= num_tokens."""
+        for s in self.prefill_token_buckets:
+            if s >= num_tokens:
+                return s
+        raise ValueError(f"prefill chunk {num_tokens} exceeds the largest bucket {self.max_prefill_tokens}")
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,90 @@
+"""Sampler: greedy, temperature, top-k, top-p, min-p, with per-row seeds; logprobs.
+
+Runs inside the step graph (static shapes, no Python branch on tensor values). Randomness is a
+counter-based hash of (seed, position, vocab index), so a row's noise depends only on its own
+seed and position: a seeded request gives the same tokens alone or batched with others, and the
+graph needs no torch.Generator (which a traced graph cannot hold per row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # < 2**31, so (x < 2**32) * _MUL fits in int64 without overflow
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """An avalanche hash of int64 tensors holding values in [0, 2**32)."""
+    x = ((x ^ (x >> 16)) * _MUL) & _MASK32
+    x = ((x ^ (x >> 16)) * _MUL) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform (0, 1) noise [B, V] fp32 determined by (seed, position, vocab index) alone.
+
+    seeds, positions: [B] int64 (seeds may be any int64; positions >= 0).
+    """
+    lo = seeds & _MASK32
+    hi = (seeds >> 32) & _MASK32
+    row = _hash32(_hash32(lo ^ _hash32(hi)) ^ (positions & _MASK32))  # [B]
+    idx = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)  # [V]
+    h = _hash32(row[:, None] ^ _hash32(idx[None, :] + 0x9E3779B1 & _MASK32))  # [B, V]
+    # 24 high bits -> exactly representable in fp32; +0.5 keeps u strictly inside (0, 1)
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters as tensors (all [B]); padding rows use greedy defaults."""
+
+    temperature: torch.Tensor  # fp32, 0 = greedy
+    top_p: torch.Tensor  # fp32 in (0, 1]
+    top_k: torch.Tensor  # int64, >= 1 (vocab_size when disabled)
+    min_p: torch.Tensor  # fp32 in [0, 1]
+    seeds: torch.Tensor  # int64
+    positions: torch.Tensor  # int64: position of the token being sampled (keys the noise)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, num_top_logprobs: int):
+    """Sample one token per row.
+
+    logits: [B, V] fp32. Returns (token_ids [B] int64, token_logprobs [B] fp32,
+    top_ids [B, N] int64, top_logprobs [B, N] fp32) with N = num_top_logprobs. Logprobs are of
+    the model's raw distribution (log_softmax of the logits, before temperature and filters), as
+    vLLM reports them by default.
+    """
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+
+    greedy = st.temperature <= 0.0  # [B]
+    temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    scaled = logits / temp[:, None]  # [B, V]
+
+    # Filters act on the sorted distribution so top-k, top-p and min-p compose in one pass.
+    sorted_logits, sorted_idx = torch.sort(scaled, dim=-1, descending=True)  # [B, V]
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]  # [1, V]
+    top_k = torch.clamp(st.top_k, 1, vocab)
+    drop = ranks >= top_k[:, None]
+    # top-p: drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    drop = drop | (mass_before >= st.top_p[:, None])
+    drop = drop | (sorted_probs < st.min_p[:, None] * sorted_probs[:, :1])
+    drop[:, 0] = False
+    masked = sorted_logits.masked_fill(drop, float("-inf"))
+
+    u = uniform_noise(st.seeds, st.positions, vocab)  # [B, V] by vocab index
+    gumbel = -torch.log(-torch.log(torch.gather(u, 1, sorted_idx)))
+    choice_sorted = torch.argmax(masked + gumbel, dim=-1)  # [B]
+    sampled = torch.gather(sorted_idx, 1, choice_sorted[:, None]).squeeze(1)
+    token_ids = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)  # [B]
+
+    token_logprobs = torch.gather(logprobs, 1, token_ids[:, None]).squeeze(1)
+    n = max(1, min(num_top_logprobs, vocab))
+    top_logprobs, top_ids = torch.topk(logprobs, n, dim=-1)
+    return token_ids, token_logprobs, top_ids, top_logprobs
