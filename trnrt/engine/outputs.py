@@ -1,13 +1,15 @@
 """Outputs that cross stage boundaries on their way to a client.
 
-`RequestOutput` is the incremental unit the engine pushes onto a request's stream. Pure Python.
+`RequestOutput` is the incremental unit the engine pushes onto a request's stream;
+`SchedulerOutput` / `RunnerOutput` are the contract between the Scheduler and the ModelRunner.
+Pure Python.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trnrt.engine.request import FinishReason
+from trnrt.engine.request import FinishReason, SamplingParams
 
 
 @dataclass
@@ -42,3 +44,91 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+
+
+# -- Scheduler <-> ModelRunner --------------------------------------------------------------
+#
+# One engine step:  Scheduler.schedule() -> SchedulerOutput -> ModelRunner -> RunnerOutput
+#                   -> Scheduler.update_from_output(SchedulerOutput, RunnerOutput)
+# Both types are plain data (no Sequence objects), so a runner, a fake runner in a test, or a
+# remote worker can produce a RunnerOutput without touching scheduler state.
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's work in a step: feed `token_ids` at positions
+    `num_computed_tokens .. num_computed_tokens + num_new_tokens - 1`.
+
+    `block_table` covers every position up to the last one fed; `slot_id` holds the sequence's
+    recurrent state (num_computed_tokens == 0 means: start from an empty state). When `do_sample`
+    is True the chunk reaches the end of the known tokens and the runner samples one token from
+    the last position; a partial prefill chunk (`do_sample` False) only writes state.
+    `is_prefill` is False exactly for a decode (one token fed on top of existing state).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    slot_id: int
+    is_prefill: bool
+    do_sample: bool
+    sampling_params: SamplingParams
+    num_output_tokens: int = 0  # tokens generated before this step (e.g. for min_tokens)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def start_pos(self) -> int:
+        """Position of token_ids[0] (== num_computed_tokens)."""
+        return self.num_computed_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step, in order: decodes first (by default), then prefill chunks.
+
+    `preempted_request_ids`: sequences preempted during this schedule() (their pages and slot are
+    already free; their state must not be read again). `finished_request_ids`: sequences that
+    finished or were aborted since the previous schedule(), so the runner can drop per-request
+    caches.
+    """
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+    step_id: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def decodes(self) -> list[ScheduledSequence]:
+        return [s for s in self.scheduled if not s.is_prefill]
+
+    @property
+    def prefills(self) -> list[ScheduledSequence]:
+        return [s for s in self.scheduled if s.is_prefill]
+
+
+@dataclass
+class RunnerOutput:
+    """What the runner produced for a SchedulerOutput, aligned with `SchedulerOutput.scheduled`.
+
+    `sampled_token_ids[i]` is the token sampled for scheduled[i], or None when scheduled[i] was a
+    partial prefill chunk (`do_sample` False; any value given there is ignored).
+    `logprobs[i]` is set when that request asked for logprobs. `failed` maps request ids whose rows
+    failed inside the runner to an error message: those requests finish with an abort and the
+    others go on.
+    """
+
+    sampled_token_ids: list[int | None] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] | None = None
+    failed: dict[str, str] = field(default_factory=dict)

@@ -119,3 +119,33 @@ class GenerateRequest:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=new_request_id)
     arrival_time_s: float | None = None
+
+
+def check_context_length(
+    num_prompt_tokens: int, max_new_tokens: int, max_model_len: int, *, strict_max_new_tokens: bool = False
+) -> None:
+    """Refuse a request that cannot fit the model's context; raise InvalidRequestError naming the field.
+
+    A prompt must leave room for at least one generated token: `num_prompt_tokens < max_model_len`
+    (SGLang's rule; the message follows its wording). Generation then stops with "length" when
+    prompt + output reach max_model_len, so by default a large `max_new_tokens` is capped, not
+    refused: SamplingParams.max_new_tokens has a default, and only the server knows whether the
+    client set it. With `strict_max_new_tokens` (the client set max_tokens explicitly, OpenAI/vLLM
+    style) prompt + max_new_tokens > max_model_len is refused too.
+    """
+    if num_prompt_tokens <= 0:
+        raise InvalidRequestError("prompt_token_ids must not be empty", field="prompt_token_ids")
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequestError(
+            f"The input ({num_prompt_tokens} tokens) is longer than the model's context length "
+            f"({max_model_len} tokens): prompt_token_ids must hold fewer than {max_model_len} tokens.",
+            field="prompt_token_ids",
+        )
+    if strict_max_new_tokens and num_prompt_tokens + max_new_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"Requested token count exceeds the model's maximum context length of {max_model_len} tokens. "
+            f"You requested a total of {num_prompt_tokens + max_new_tokens} tokens: {num_prompt_tokens} tokens "
+            f"from the input and {max_new_tokens} tokens for the completion (max_new_tokens). Please reduce "
+            f"the number of tokens in the input or the completion to fit within the limit.",
+            field="max_new_tokens",
+        )

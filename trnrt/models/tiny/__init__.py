@@ -117,3 +117,12 @@ def build_hf_model(seed: int = 0, text_overrides: dict | None = None, dtype: str
     model.to(getattr(torch, dtype))
     model.eval()
     return model
+
+
+# Imported last: checkpoint.py reads the names above (it imports torch only inside functions).
+from trnrt.models.tiny.checkpoint import (  # noqa: E402
+    TINY_CHECKPOINT_VERSION,
+    cache_dir,
+    default_model_dir,
+    write_tiny_checkpoint,
+)

@@ -1,0 +1,36 @@
+"""`trnrt make-tiny DIR`: write the tiny GLM-5.3-Flash checkpoint (torch imported only when run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from trnrt.cli import app
+
+
+@app.command("make-tiny")
+def make_tiny(
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write (replaced if it holds a checkpoint).", metavar="DIR")],
+    seed: Annotated[int, typer.Option("--seed", help="Weight seed; the same seed gives byte-identical files.")] = 0,
+) -> None:
+    """Write the tiny random-weight glm5_next checkpoint (config, weights, tokenizer, chat template)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from trnrt.models.tiny import write_tiny_checkpoint
+
+    console = Console()
+    try:
+        path = write_tiny_checkpoint(out_dir, seed=seed)
+    except FileExistsError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    table = Table(title=f"tiny glm5_next checkpoint, seed {seed}", title_justify="left")
+    table.add_column("file")
+    table.add_column("bytes", justify="right")
+    for p in sorted(path.iterdir()):
+        table.add_row(p.name, f"{p.stat().st_size:,}")
+    console.print(table)
+    console.print(f"wrote [bold]{path}[/bold]")

@@ -1,0 +1,158 @@
+"""IncrementalDetokenizer: token ids -> text deltas, with stop strings. Pure Python.
+
+The tokenizer is any object with `decode(ids, skip_special_tokens=...)` (a `tokenizers.Tokenizer`
+or a transformers fast tokenizer); it is passed in, never imported here.
+
+Text is decoded over a short window of ids (vLLM's prefix/read offsets): `prefix_offset..read_offset`
+is text already emitted, kept as left context so that decoders which depend on neighbours (leading
+spaces, byte fallback) give the same text as a full decode; `read_offset..` is new. Two things hold
+text back:
+- a window whose text ends in U+FFFD: a multi-byte UTF-8 character is split across tokens and its
+  remaining bytes are still to come;
+- the longest tail of the text that is a prefix of some stop string: it might become a stop string
+  with the next token, and a stop string is trimmed from the output (never streamed, then retracted).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+# Prompt tokens kept as left context for the first output token (vLLM uses 5 too).
+INITIAL_CONTEXT_TOKENS = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Detokenizes one request's output incrementally and finds its stop strings.
+
+    Args:
+        tokenizer: object with `decode(ids, skip_special_tokens=bool) -> str`.
+        prompt_token_ids: the prompt; only its last few ids are used, as context.
+        skip_special_tokens: drop special tokens (EOS, chat markers) from the text.
+        stop: stop strings; the first one (leftmost in the text) to appear ends the request.
+        include_stop_str_in_output: keep the matched stop string in the text (vLLM's
+            include_stop_str_in_output; SGLang's no_stop_trim).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Iterable[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+        stop: Iterable[str] = (),
+        include_stop_str_in_output: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in stop if s]
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        context = list(prompt_token_ids)[-INITIAL_CONTEXT_TOKENS:]
+        self._ids: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        # Text decoded so far (stable characters only) and how much of it was handed out.
+        self._text = ""
+        self._num_emitted = 0
+        self.matched_stop: str | None = None
+
+    @property
+    def is_stopped(self) -> bool:
+        """A stop string was found; further tokens are ignored."""
+        return self.matched_stop is not None
+
+    @property
+    def output_text(self) -> str:
+        """All text emitted so far."""
+        return self._text[: self._num_emitted]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def step(self, new_token_ids: Iterable[int], *, exclude_last: bool = False) -> str:
+        """Add sampled tokens; return the text that became safe to emit.
+
+        Args:
+            new_token_ids: tokens sampled since the previous call.
+            exclude_last: the last token is a matched stop token (EOS / stop_token_ids); its text
+                is not part of the output.
+        Returns:
+            The new text (possibly ""). If a stop string appeared, `matched_stop` is set and the
+            text ends just before it (or after it, with include_stop_str_in_output).
+        """
+        if self.is_stopped:
+            return ""
+        new_token_ids = list(new_token_ids)
+        if exclude_last and new_token_ids:
+            new_token_ids.pop()
+        for t in new_token_ids:
+            self._append_token(t)
+            if self._check_stop():
+                break
+        return self._release()
+
+    def flush(self) -> str:
+        """The request finished: return every remaining held-back character.
+
+        Text held as a possible stop-string prefix is real output once no more tokens come; an
+        incomplete UTF-8 tail is emitted as the tokenizer decodes it (with U+FFFD).
+        """
+        if not self.is_stopped and self._read_offset < len(self._ids):
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset :])
+            self._text += full[len(prefix) :]
+            self._prefix_offset = self._read_offset = len(self._ids)
+            self._check_stop()
+        return self._emit_upto(len(self._text))
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _append_token(self, token_id: int) -> None:
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        # NOTE: the window's text must grow and must not end mid-character; otherwise wait for
+        # more tokens (the offsets stay, so the next decode covers the held-back ids too).
+        if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
+            self._text += full[len(prefix) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+
+    def _check_stop(self) -> bool:
+        """Find the leftmost stop string in the not-yet-emitted text; trim the text there."""
+        if not self.stop:
+            return False
+        # NOTE: a match starts in the unemitted text: before this step the text from its start
+        # was a proper prefix of the stop string, and such a tail is always held back.
+        start = self._num_emitted
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self._text.find(s, start)
+            if i != -1 and (best is None or i < best[0] or (i == best[0] and len(s) > len(best[1]))):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        self.matched_stop = s
+        self._text = self._text[: i + len(s)] if self.include_stop_str_in_output else self._text[:i]
+        return True
+
+    def _release(self) -> str:
+        if self.is_stopped:
+            return self._emit_upto(len(self._text))
+        return self._emit_upto(len(self._text) - self._stop_prefix_len())
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest unemitted tail of the text that is a proper prefix of a stop string."""
+        text = self._text
+        for n in range(min(self._max_stop_len - 1, len(text) - self._num_emitted), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
+
+    def _emit_upto(self, end: int) -> str:
+        out = self._text[self._num_emitted : end]
+        self._num_emitted = max(self._num_emitted, end)
+        return out

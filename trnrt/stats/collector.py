@@ -1,0 +1,292 @@
+"""`StatsCollector`: the engine thread reports events, server threads read snapshots.
+
+Producer side (engine thread, cheap calls: one uncontended lock and a few dict operations each)::
+
+    stats = StatsCollector(engine_id="engine-0")
+    stats.set_engine_info(model="glm-5.3-flash", preset="default", backend="cpu", compiled=False)
+    stats.on_request_arrived(rid, num_prompt_tokens)      # admitted into the waiting queue
+    stats.on_request_scheduled(rid)                        # first time it gets a slot: queue time
+    stats.on_tokens(rid, n)                                # n new output tokens: TTFT, then ITL
+    stats.on_request_finished(rid, "stop", num_cached_tokens=k)
+    stats.set_live(running=..., queued=..., pages_used=..., ...)   # once per step
+
+Consumer side (any thread): `snapshot()` returns the /v1/stats document (trnrt.stats.schema).
+
+Memory is bounded whatever the traffic: rates live in fixed rings of 1-second buckets over 15
+minutes, latency samples in fixed-size ring buffers, and per-request bookkeeping only for requests
+in flight (capped, oldest dropped, in case the engine ever forgets to report a finish).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from trnrt.stats.schema import (
+    FINISH_TYPES,
+    LATENCY_KEYS,
+    LIVE_KEYS,
+    QUANTILES,
+    RATE_WINDOWS,
+    EngineStats,
+    hit_rate,
+    merge_snapshots,
+)
+from trnrt.stats.windows import BucketedCounter, LatencyWindow, summarize
+
+
+class _Req:
+    """Per-request timestamps, kept only while the request is in flight."""
+
+    __slots__ = ("arrived", "scheduled", "last_token", "prompt_tokens", "generated")
+
+    def __init__(self, arrived: float, prompt_tokens: int) -> None:
+        self.arrived = arrived
+        self.scheduled: float | None = None
+        self.last_token: float | None = None  # None until the first token: the TTFT/ITL switch
+        self.prompt_tokens = prompt_tokens
+        self.generated = 0
+
+
+class StatsCollector:
+    """Thread-safe stats for one engine: live state, counters, windowed rates, latency percentiles.
+
+    Args:
+        clock: monotonic seconds; every duration and window uses it. Tests pass a fake.
+        wall_clock: unix seconds, only for `time_s` and `started_at_s` in the snapshot.
+        engine_id: the row key in `engines` (a router gives each engine a distinct one).
+        latency_window_s / latency_max_samples: percentiles cover the last `latency_window_s`
+            seconds, at most `latency_max_samples` observations per metric (the cap keeps memory
+            bounded; under heavy load it shortens the span).
+        bucket_s: width of the rate buckets (1 s: a 1-minute rate is exact to within a bucket).
+        max_tracked_requests: cap on in-flight bookkeeping; the oldest entry is dropped beyond it.
+
+    Every producer method accepts `now` (seconds on `clock`), so the engine can stamp a whole step
+    with one reading; it defaults to `clock()`.
+    """
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+        engine_id: str = "engine-0",
+        latency_window_s: float = 60.0,
+        latency_max_samples: int = 2048,
+        bucket_s: float = 1.0,
+        max_tracked_requests: int = 65536,
+    ) -> None:
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self.engine_id = engine_id
+        self._lock = threading.Lock()
+        self._start = clock()
+        self._started_at_wall = wall_clock()
+        self._max_tracked = max_tracked_requests
+        self.dropped_requests = 0  # in-flight entries evicted by the cap (a bug upstream if > 0)
+
+        horizon = max(w for w in RATE_WINDOWS.values() if w is not None)
+        self._arrived = BucketedCounter(horizon, bucket_s)
+        self._finished = BucketedCounter(horizon, bucket_s)
+        self._prompt = BucketedCounter(horizon, bucket_s)
+        self._generated = BucketedCounter(horizon, bucket_s)
+        self._finish_counts = {t: 0 for t in FINISH_TYPES}
+        self._cached_tokens = 0
+        self._finished_prompt_tokens = 0
+        self._preemptions = 0
+        self._lat = {k: LatencyWindow(latency_window_s, latency_max_samples) for k in LATENCY_KEYS}
+        self._reqs: dict[str, _Req] = {}
+        self._live = {k: 0 for k in LIVE_KEYS}
+        self._info: dict = {"model": "", "served_model_name": "", "preset": "", "backend": "",
+                            "compiled": False, "version": _version()}
+
+    # ---- producer API (engine thread) -------------------------------------------------------
+
+    def set_engine_info(
+        self,
+        model: str,
+        *,
+        preset: str = "default",
+        backend: str = "cpu",
+        compiled: bool = False,
+        version: str | None = None,
+        served_model_name: str | None = None,
+        **extra: object,
+    ) -> None:
+        """Static facts about the engine, shown in the dashboard header. Call once at start-up.
+
+        `extra` (JSON-able values) lands in `info["extra"]`, e.g. tp=8 or the bucket list.
+        """
+        info = {
+            "model": model,
+            "served_model_name": served_model_name or model,
+            "preset": preset,
+            "backend": backend,
+            "compiled": bool(compiled),
+            "version": version or _version(),
+        }
+        if extra:
+            info["extra"] = dict(extra)
+        with self._lock:
+            self._info = info
+
+    def set_live(self, now: float | None = None, **live: int) -> None:
+        """Update the live gauges; keys not given keep their last value.
+
+        Keys: running, queued, pages_used, pages_total, slots_used, slots_total, tokens_in_flight
+        (tokens held in the KV cache by running requests). An unknown key raises TypeError so a
+        typo fails in tests instead of vanishing from the dashboard. `now` is accepted for symmetry.
+        """
+        unknown = set(live) - set(LIVE_KEYS)
+        if unknown:
+            raise TypeError(f"set_live: unknown keys {sorted(unknown)}; known: {list(LIVE_KEYS)}")
+        with self._lock:
+            for k, v in live.items():
+                self._live[k] = int(v)
+
+    def on_request_arrived(self, rid: str, num_prompt_tokens: int, now: float | None = None) -> None:
+        """A request entered the engine's waiting queue. Starts its queue time, TTFT and E2E clocks."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            self._arrived.add(1, now)
+            self._prompt.add(num_prompt_tokens, now)
+            self._reqs[rid] = _Req(now, num_prompt_tokens)
+            if len(self._reqs) > self._max_tracked:
+                # Never grow without bound, even if finishes go missing: drop the oldest entry.
+                del self._reqs[next(iter(self._reqs))]
+                self.dropped_requests += 1
+
+    def on_request_scheduled(self, rid: str, now: float | None = None) -> None:
+        """The request was scheduled (got a slot). The first call records its queue time; later
+        calls (after a preemption) do not, so queue time means time to first service."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            req = self._reqs.get(rid)
+            if req is not None and req.scheduled is None:
+                req.scheduled = now
+                self._lat["queue_ms"].add(now - req.arrived, now)
+
+    def on_request_preempted(self, rid: str, now: float | None = None) -> None:
+        """The request lost its slot and went back to the queue (counted; timings continue)."""
+        with self._lock:
+            self._preemptions += 1
+
+    def on_tokens(self, rid: str, n: int = 1, now: float | None = None) -> None:
+        """`n` output tokens were produced for `rid` in one step.
+
+        The first call records TTFT (arrival to first token). Each later call records one
+        inter-token latency sample: the gap since the previous call divided by `n` (a speculative
+        step that yields several tokens spreads its gap over them).
+        """
+        if n <= 0:
+            return
+        now = self._clock() if now is None else now
+        with self._lock:
+            self._generated.add(n, now)
+            req = self._reqs.get(rid)
+            if req is None:  # unknown (arrived before this collector, or dropped): count only
+                return
+            if req.last_token is None:
+                self._lat["ttft_ms"].add(now - req.arrived, now)
+            else:
+                self._lat["itl_ms"].add((now - req.last_token) / n, now)
+            req.last_token = now
+            req.generated += n
+
+    def on_request_finished(
+        self,
+        rid: str,
+        finish_type: str,
+        num_cached_tokens: int = 0,
+        now: float | None = None,
+    ) -> None:
+        """The request ended. `finish_type`: "stop" | "length" | "abort" (client or admin abort) |
+        "error" (failed inside the engine). `num_cached_tokens`: prompt tokens served from the
+        prefix cache. E2E latency is recorded for "stop" and "length" only, so aborts and errors
+        do not skew it. Raises ValueError on an unknown finish type (a programming error)."""
+        if finish_type not in self._finish_counts:
+            raise ValueError(f"finish_type must be one of {FINISH_TYPES}, got {finish_type!r}")
+        now = self._clock() if now is None else now
+        with self._lock:
+            self._finished.add(1, now)
+            self._finish_counts[finish_type] += 1
+            self._cached_tokens += num_cached_tokens
+            req = self._reqs.pop(rid, None)
+            if req is None:
+                return
+            self._finished_prompt_tokens += req.prompt_tokens
+            if finish_type in ("stop", "length"):
+                self._lat["e2e_ms"].add(now - req.arrived, now)
+
+    # ---- consumer API (any thread) ------------------------------------------------------------
+
+    def engine_snapshot(self, now: float | None = None) -> EngineStats:
+        """This engine's entry of `engines` (a router collects these from each engine)."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            elapsed = now - self._start
+            rates = {}
+            for key, window in RATE_WINDOWS.items():
+                if window is None:
+                    rate = (lambda c: c.total / elapsed if elapsed > 0 else 0.0)  # noqa: E731
+                else:
+                    rate = (lambda c, w=window: c.rate(w, now, elapsed))  # noqa: E731
+                rates[key] = {
+                    "requests_arrived_per_s": rate(self._arrived),
+                    "requests_finished_per_s": rate(self._finished),
+                    "prompt_tokens_per_s": rate(self._prompt),
+                    "generation_tokens_per_s": rate(self._generated),
+                }
+            counters = {
+                "requests_arrived": int(self._arrived.total),
+                "requests_finished": dict(self._finish_counts),
+                "requests_finished_total": sum(self._finish_counts.values()),
+                "prompt_tokens": int(self._prompt.total),
+                "finished_prompt_tokens": self._finished_prompt_tokens,
+                "cached_tokens": self._cached_tokens,
+                "generation_tokens": int(self._generated.total),
+                "errors": self._finish_counts["error"],
+                "aborts": self._finish_counts["abort"],
+                "preemptions": self._preemptions,
+            }
+            # Copy the raw samples under the lock; sort outside it so the engine thread never
+            # waits on a percentile computation.
+            recent = {k: w.recent(now) for k, w in self._lat.items()}
+            totals = {k: (w.total_count, w.total_sum) for k, w in self._lat.items()}
+            window_s = self._lat["ttft_ms"].window_s
+            live = dict(self._live)
+            info = dict(self._info)
+        latency: dict = {"window_s": window_s}
+        for k in LATENCY_KEYS:
+            # Stored in seconds, reported in milliseconds; cumulative sums stay in seconds for
+            # Prometheus (its convention), under "total_count" / "total_sum_s".
+            latency[k] = summarize(recent[k], QUANTILES, scale=1000.0)
+            latency[k]["total_count"], latency[k]["total_sum_s"] = totals[k]
+        info["started_at_s"] = self._started_at_wall
+        info["uptime_s"] = elapsed
+        return {
+            "id": self.engine_id,
+            "state": "ok",
+            "info": info,
+            "live": live,
+            "counters": counters,
+            "rates": rates,
+            "latency": latency,
+            "prefix_hit_rate": hit_rate(counters),
+        }
+
+    def snapshot(self, now: float | None = None) -> dict:
+        """The full /v1/stats document for a server with this one engine (JSON-able)."""
+        return merge_snapshots([self.engine_snapshot(now)], time_s=self._wall_clock())
+
+
+def _version() -> str:
+    # Read the installed version directly: importing the `trnrt` root package would, to the import
+    # linter, make stats depend on everything the root package can load lazily (the engine).
+    from importlib import metadata
+
+    try:
+        return metadata.version("trnrt")
+    except metadata.PackageNotFoundError:  # a source tree without install, as trnrt/__init__ does
+        return "0.0.0+src"

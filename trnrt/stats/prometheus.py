@@ -1,0 +1,160 @@
+"""Render a /v1/stats snapshot in the Prometheus text format (`GET /metrics`).
+
+The same figures as the snapshot, one time series per engine (label `engine`, plus `model`):
+gauges for live state, `_total` counters, summaries (`quantile` labels over the recent window,
+cumulative `_sum` / `_count` in seconds) for latency, and the windowed rates as gauges with a
+`window` label. Prometheus users normally derive rates with `rate()` from the counters; the rate
+gauges are there so a scrape shows what `trnrt top` shows.
+
+Two ways in, both fed by a snapshot (so /metrics and /v1/stats always agree):
+
+    body = to_prometheus(collector.snapshot())                 # bytes, CONTENT_TYPE
+
+    registry = CollectorRegistry()                              # or plug into a registry
+    registry.register(SnapshotCollector(collector.snapshot))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import CollectorRegistry
+
+from trnrt.stats.schema import FINISH_TYPES, LIVE_KEYS, QUANTILES, RATE_KEYS
+
+PREFIX = "trnrt"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LIVE_HELP = {
+    "running": ("requests_running", "Requests holding a slot and being processed."),
+    "queued": ("requests_queued", "Requests waiting to be scheduled."),
+    "pages_used": ("kv_pages_used", "KV-cache pages in use."),
+    "pages_total": ("kv_pages_total", "KV-cache pages in the pool."),
+    "slots_used": ("slots_used", "Per-sequence state slots in use."),
+    "slots_total": ("slots_total", "Per-sequence state slots in the pool."),
+    "tokens_in_flight": ("tokens_in_flight", "Tokens held in the KV cache by running requests."),
+}
+_COUNTERS = {
+    # snapshot counter key -> (metric name without _total, help)
+    "requests_arrived": ("requests_arrived", "Requests admitted into the queue."),
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens of admitted requests."),
+    "cached_tokens": ("cached_tokens", "Prompt tokens served from the prefix cache."),
+    "generation_tokens": ("generation_tokens", "Output tokens generated."),
+    "errors": ("request_errors", "Requests that failed inside the engine."),
+    "aborts": ("request_aborts", "Requests aborted (client gone or admin)."),
+    "preemptions": ("preemptions", "Times a running request lost its slot."),
+}
+_LATENCY = {
+    "ttft_ms": ("time_to_first_token_seconds", "Time from arrival to the first output token."),
+    "itl_ms": ("inter_token_latency_seconds", "Time between output tokens of a request."),
+    "e2e_ms": ("e2e_request_latency_seconds", "Time from arrival to finish (stop or length)."),
+    "queue_ms": ("request_queue_time_seconds", "Time from arrival to first scheduling."),
+}
+_RATES = {
+    "requests_arrived_per_s": ("requests_arrived_per_second", "Request arrival rate over a window."),
+    "requests_finished_per_s": ("requests_finished_per_second", "Request completion rate over a window."),
+    "prompt_tokens_per_s": ("prompt_tokens_per_second", "Prompt token rate over a window."),
+    "generation_tokens_per_s": ("generation_tokens_per_second", "Output token rate over a window."),
+}
+
+
+def metric_families(snapshot: dict) -> Iterator[Metric]:
+    """Prometheus metric families for every engine in `snapshot` (a /v1/stats document)."""
+    engines = snapshot.get("engines") or []
+    base = ["engine", "model"]
+
+    def labels(eng: dict) -> list[str]:
+        info = eng.get("info") or {}
+        return [str(eng.get("id", "")), str(info.get("served_model_name") or info.get("model") or "")]
+
+    info = InfoMetricFamily(f"{PREFIX}_engine", "Static facts about each engine.", labels=["engine"])
+    up = GaugeMetricFamily(f"{PREFIX}_uptime_seconds", "Seconds since the engine's stats began.", labels=base)
+    for eng in engines:
+        i = eng.get("info") or {}
+        info.add_metric(
+            [str(eng.get("id", ""))],
+            {k: str(i.get(k, "")).lower() if k == "compiled" else str(i.get(k, ""))
+             for k in ("model", "served_model_name", "preset", "backend", "compiled", "version")},
+        )
+        up.add_metric(labels(eng), float(i.get("uptime_s") or 0.0))
+    yield info
+    yield up
+
+    for key in LIVE_KEYS:
+        name, doc = _LIVE_HELP[key]
+        g = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=base)
+        for eng in engines:
+            g.add_metric(labels(eng), float((eng.get("live") or {}).get(key) or 0))
+        yield g
+
+    fin = CounterMetricFamily(f"{PREFIX}_requests_finished", "Finished requests by finish reason.",
+                              labels=base + ["finish_reason"])
+    for eng in engines:
+        by = (eng.get("counters") or {}).get("requests_finished") or {}
+        for reason in FINISH_TYPES:
+            fin.add_metric(labels(eng) + [reason], float(by.get(reason) or 0))
+    yield fin
+    for key, (name, doc) in _COUNTERS.items():
+        c = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=base)
+        for eng in engines:
+            c.add_metric(labels(eng), float((eng.get("counters") or {}).get(key) or 0))
+        yield c
+
+    for key, (name, doc) in _LATENCY.items():
+        # prometheus_client's SummaryMetricFamily has no quantile samples, so build it by hand.
+        m = Metric(f"{PREFIX}_{name}", doc + " Quantiles over the recent window.", "summary")
+        for eng in engines:
+            s = (eng.get("latency") or {}).get(key) or {}
+            lab = dict(zip(base, labels(eng)))
+            for q in QUANTILES:
+                v = s.get(f"p{q}")
+                # No samples: NaN, as prometheus_client's own summaries report empty quantiles.
+                m.add_sample(m.name, {**lab, "quantile": _quantile_label(q)},
+                             math.nan if v is None else v / 1000.0)
+            m.add_sample(m.name + "_count", lab, float(s.get("total_count") or 0))
+            m.add_sample(m.name + "_sum", lab, float(s.get("total_sum_s") or 0.0))
+        yield m
+
+    for key in RATE_KEYS:
+        name, doc = _RATES[key]
+        g = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=base + ["window"])
+        for eng in engines:
+            for window, rates in (eng.get("rates") or {}).items():
+                g.add_metric(labels(eng) + [window], float((rates or {}).get(key) or 0.0))
+        yield g
+
+    hit = GaugeMetricFamily(f"{PREFIX}_prefix_cache_hit_ratio",
+                            "Cached / prompt tokens of finished requests.", labels=base)
+    for eng in engines:
+        r = eng.get("prefix_hit_rate")
+        hit.add_metric(labels(eng), math.nan if r is None else float(r))
+    yield hit
+
+
+def _quantile_label(q: int) -> str:
+    return str(q / 100.0)  # 50 -> "0.5", 99 -> "0.99"
+
+
+class SnapshotCollector:
+    """A prometheus_client custom collector: each scrape calls `snapshot_fn()` and renders it."""
+
+    def __init__(self, snapshot_fn: Callable[[], dict]) -> None:
+        self._snapshot_fn = snapshot_fn
+
+    def collect(self) -> Iterator[Metric]:
+        yield from metric_families(self._snapshot_fn())
+
+    def describe(self) -> list:
+        # Returning [] stops CollectorRegistry.register from calling collect() at registration.
+        return []
+
+
+def to_prometheus(snapshot: dict) -> bytes:
+    """The Prometheus text exposition (format 0.0.4) of `snapshot`; serve it with CONTENT_TYPE."""
+    from prometheus_client.exposition import generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(lambda: snapshot))
+    return generate_latest(registry)
