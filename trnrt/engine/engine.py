@@ -1,0 +1,334 @@
+"""Engine: one thread owns the scheduler, the model runner, detokenizers and stats.
+
+Request flow (DESIGN.md): a client thread calls `submit()` (validation happens there and raises
+InvalidRequestError naming the field) -> the engine thread takes submissions and aborts from its
+inbox -> `scheduler.schedule()` -> `runner.execute()` (model + sampler per bucket) ->
+`scheduler.update_from_output()` -> incremental detokenization and stop strings -> a
+RequestOutput on each request's OutputStream -> stats. Only the engine thread touches scheduler,
+cache and runner state, so none of them needs a lock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+from trnrt.config import EngineConfig
+from trnrt.engine.cache_manager import CacheManager
+from trnrt.engine.client import ModelInfo
+from trnrt.engine.detokenizer import IncrementalDetokenizer
+from trnrt.engine.model_runner import ModelRunner, RowInput
+from trnrt.engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput
+from trnrt.engine.request import FinishReason, GenerateRequest, InvalidRequestError
+from trnrt.engine.scheduler import Scheduler, SchedulerConfig
+from trnrt.engine.stop import StopChecker, is_token_stop
+from trnrt.engine.stream import OutputStream
+
+log = logging.getLogger(__name__)
+
+_SEED_MASK = (1 << 63) - 1
+
+
+class EngineDeadError(RuntimeError):
+    """The engine is shutting down or its thread died; no new requests are accepted."""
+
+
+def read_eos_token_ids(model_dir: Path, tokenizer) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (int or list), else the tokenizer's eos token."""
+    ids: list[int] = []
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids = [eos]
+        elif isinstance(eos, list):
+            ids = [int(t) for t in eos]
+    if not ids and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids = [int(tokenizer.eos_token_id)]
+    return tuple(dict.fromkeys(ids))
+
+
+class Engine:
+    """A running engine (implements trnrt.engine.client.EngineClient).
+
+    Build it with `Engine.from_model_dir(...)`; `submit()`, `abort()`, `stats()` and `shutdown()`
+    are thread-safe.
+    """
+
+    def __init__(self, runner: ModelRunner, tokenizer, model_info: ModelInfo, engine_config: EngineConfig,
+                 scheduler_config: SchedulerConfig, *, start: bool = True):
+        from trnrt.stats import StatsCollector  # pure Python
+
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+        self.engine_config = engine_config
+        self.scheduler_config = scheduler_config
+        self.cache = CacheManager(engine_config.num_blocks, engine_config.block_size, engine_config.num_slots)
+        self.scheduler = Scheduler(scheduler_config, self.cache, eos_token_ids=model_info.eos_token_ids)
+        self.stats_collector = StatsCollector()
+        self.stats_collector.set_engine_info(
+            model_info.model_path, preset=model_info.preset, backend=model_info.backend,
+            compiled=model_info.compiled, served_model_name=model_info.served_model_name,
+        )
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, OutputStream] = {}
+        self._detoks: dict[str, IncrementalDetokenizer] = {}
+        self._sent_tokens: dict[str, int] = {}
+        self._accepting = True
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.num_steps = 0
+        self.thread = threading.Thread(target=self._run, name="trnrt-engine", daemon=True)
+        if start:
+            self.thread.start()
+
+    # -- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: str | os.PathLike | None = None,
+        *,
+        engine_config: EngineConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        served_model_name: str | None = None,
+        device: str = "cpu",
+        compiled: dict | None = None,
+        start: bool = True,
+    ) -> "Engine":
+        """Load the checkpoint (None: the embedded tiny model) and start the engine thread."""
+        import torch
+        from transformers import AutoTokenizer
+
+        from trnrt.models.glm5_next.state import ModelState
+        from trnrt.models.glm5_next.weights import load_model
+        from trnrt.models.paths import resolve_model_dir
+
+        path = resolve_model_dir(model_dir)
+        ecfg = engine_config or EngineConfig()
+        dtype = getattr(torch, ecfg.dtype)
+        model = load_model(path, dtype=dtype, device=device)
+        mcfg = model.config
+        max_model_len = min(ecfg.max_model_len, ecfg.max_blocks_per_seq * ecfg.block_size)
+        scfg = scheduler_config or SchedulerConfig(
+            max_num_seqs=min(ecfg.max_decode_batch, ecfg.num_slots - 1),
+            max_num_batched_tokens=max(ecfg.max_prefill_tokens, ecfg.max_decode_batch),
+            max_model_len=max_model_len,
+            max_prefill_chunk_tokens=ecfg.max_prefill_tokens,
+        )
+        if scfg.max_num_seqs > ecfg.num_slots - 1:
+            raise ValueError(f"max_num_seqs {scfg.max_num_seqs} exceeds the {ecfg.num_slots - 1} usable slots")
+        state = ModelState.allocate(mcfg, ecfg.num_blocks, ecfg.block_size, ecfg.num_slots, dtype, device)
+        runner = ModelRunner(model, state, ecfg, mcfg.vocab_size, compiled=compiled)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        info = ModelInfo(
+            model_path=str(path),
+            served_model_name=served_model_name or path.name,
+            vocab_size=mcfg.vocab_size,
+            max_model_len=scfg.max_model_len,
+            eos_token_ids=read_eos_token_ids(path, tokenizer),
+            preset=ecfg.preset,
+            backend="compiled" if compiled else "eager",
+            compiled=bool(compiled),
+        )
+        return cls(runner, tokenizer, info, ecfg, scfg, start=start)
+
+    # -- client API (any thread) -----------------------------------------------------------------
+
+    def submit(self, request: GenerateRequest) -> OutputStream:
+        """Queue a request. Raises InvalidRequestError naming the field if it can never run."""
+        if not self._accepting or not self.thread.is_alive():
+            raise EngineDeadError("the engine is not accepting requests (shutting down)")
+        vocab = self.model_info.vocab_size
+        for t in request.prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not (0 <= t < vocab):
+                raise InvalidRequestError(
+                    f"prompt_token_ids contains {t!r}, outside the vocabulary [0, {vocab})", field="prompt_token_ids"
+                )
+        request.sampling_params.validate(vocab_size=vocab)
+        self.scheduler.validate_request(request)  # reads only immutable config
+        if request.sampling_params.seed is None:
+            # Unseeded requests still get a per-request seed: the in-graph sampler keys its noise
+            # on (seed, position), so even random sampling is independent of batch composition.
+            request.sampling_params = request.sampling_params.clone(seed=int.from_bytes(os.urandom(8), "little") & _SEED_MASK)
+        if request.arrival_time_s is None:
+            request.arrival_time_s = time.monotonic()
+        stream = OutputStream(request.request_id)
+        self._inbox.put(("add", request, stream))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id, None))
+        self._wake.set()
+
+    def stats(self) -> dict:
+        return self.stats_collector.snapshot()
+
+    def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop accepting, let in-flight requests run up to drain_timeout_s, abort the rest, join."""
+        self._accepting = False
+        deadline = time.monotonic() + max(0.0, drain_timeout_s)
+        while time.monotonic() < deadline and (self._streams or not self._inbox.empty()) and self.thread.is_alive():
+            time.sleep(0.01)
+        self._inbox.put(("abort_all", "server shutting down", None))
+        self._wake.set()
+        t_end = time.monotonic() + 10
+        while self._streams and self.thread.is_alive() and time.monotonic() < t_end:
+            time.sleep(0.005)
+        self._stop.set()
+        self._wake.set()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout=10)
+
+    # -- engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._drain_inbox()
+                if not self.scheduler.has_unfinished_requests():
+                    self._update_live()
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+                    continue
+                self.step()
+            except Exception:  # never let the engine thread die; fail what was in flight
+                log.exception("engine step failed; aborting in-flight requests")
+                for rid in list(self._streams):
+                    self._abort(rid, "internal engine error", finish_type="error")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload, stream = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(payload, stream)
+            elif kind == "abort":
+                self._abort(payload, "aborted by client")
+            elif kind == "abort_all":
+                for rid in list(self._streams):
+                    self._abort(rid, payload)
+
+    def _add(self, request: GenerateRequest, stream: OutputStream) -> None:
+        rid = request.request_id
+        try:
+            seq = self.scheduler.add_request(request)
+        except InvalidRequestError as e:
+            stream.put(RequestOutput(rid, finished=True, finish_reason=FinishReason("abort", message=str(e)), error=str(e)))
+            return
+        self.stats_collector.on_request_arrived(rid, len(request.prompt_token_ids))
+        if seq.is_finished:  # max_new_tokens == 0
+            stream.put(RequestOutput(rid, finished=True, finish_reason=seq.finish_reason,
+                                     num_prompt_tokens=seq.num_prompt_tokens))
+            self.stats_collector.on_request_finished(rid, seq.finish_reason.type)
+            return
+        sp = request.sampling_params
+        self._streams[rid] = stream
+        self._detoks[rid] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop
+        )
+
+    def _abort(self, rid: str, message: str, finish_type: str = "abort") -> None:
+        seq = self.scheduler.abort(rid, message)
+        stream = self._streams.pop(rid, None)
+        self._detoks.pop(rid, None)
+        if stream is None:
+            return
+        n_out = seq.num_output_tokens if seq is not None else 0
+        n_prompt = seq.num_prompt_tokens if seq is not None else 0
+        stream.put(RequestOutput(
+            rid, finished=True, finish_reason=FinishReason("abort", message=message),
+            num_prompt_tokens=n_prompt, num_output_tokens=n_out,
+            error=message if finish_type == "error" else None,
+        ))
+        self.stats_collector.on_request_finished(rid, finish_type)
+
+    def step(self) -> None:
+        """One scheduler step: schedule, run the model, emit outputs."""
+        sched_out = self.scheduler.schedule()
+        self.num_steps += 1
+        if sched_out.is_empty:
+            self._update_live()
+            return
+        for s in sched_out.scheduled:
+            self.stats_collector.on_request_scheduled(s.request_id)
+        for rid in sched_out.preempted_request_ids:
+            self.stats_collector.on_request_preempted(rid)
+        runner_out = self._execute(sched_out)
+        now = time.monotonic()
+        for u in self.scheduler.update_from_output(sched_out, runner_out):
+            self._emit(u, now)
+        self._update_live()
+
+    def _execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
+        rows = []
+        for s in sched_out.scheduled:
+            sp = s.sampling_params
+            rows.append(RowInput(
+                token_ids=s.token_ids, start_pos=s.num_computed_tokens, block_ids=s.block_table, slot_id=s.slot_id,
+                temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, seed=sp.seed or 0,
+                num_logprobs=sp.logprobs,
+            ))
+        try:
+            results = self.runner.execute(rows)
+        except Exception as e:  # the step failed: fail the requests in it, keep serving the rest
+            log.exception("model step failed")
+            msg = f"model step failed: {type(e).__name__}: {e}"
+            return RunnerOutput(sampled_token_ids=[None] * len(rows), logprobs=None,
+                                failed={s.request_id: msg for s in sched_out.scheduled})
+        sampled = [r.token_id if s.do_sample else None for s, r in zip(sched_out.scheduled, results)]
+        logprobs = [r.logprob if s.do_sample else None for s, r in zip(sched_out.scheduled, results)]
+        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _emit(self, u, now: float) -> None:
+        rid = u.request_id
+        stream = self._streams.get(rid)
+        detok = self._detoks.get(rid)
+        if stream is None or detok is None:
+            return
+        if u.error is not None:
+            self._streams.pop(rid, None)
+            self._detoks.pop(rid, None)
+            stream.put(RequestOutput(rid, finished=True, finish_reason=FinishReason("abort", message=u.error),
+                                     error=u.error, num_prompt_tokens=u.seq.num_prompt_tokens,
+                                     num_output_tokens=u.seq.num_output_tokens))
+            self.stats_collector.on_request_finished(rid, "error")
+            return
+        if u.new_token_ids:
+            self.stats_collector.on_tokens(rid, len(u.new_token_ids), now=now)
+        text = detok.step(u.new_token_ids, exclude_last=is_token_stop(u.finish_reason))
+        reason = StopChecker.merge(u.finish_reason, detok.matched_stop)
+        if reason is not None and not u.finished:  # a stop string ended a live request
+            self.scheduler.finish_request(rid, reason)
+        if reason is not None:
+            text += detok.flush()
+        seq = u.seq
+        out = RequestOutput(
+            rid, new_token_ids=list(u.new_token_ids), new_text=text,
+            new_logprobs=list(u.new_logprobs) if seq.sampling_params.logprobs is not None else None,
+            finished=reason is not None, finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+        )
+        stream.put(out)
+        if reason is not None:
+            self._streams.pop(rid, None)
+            self._detoks.pop(rid, None)
+            self.stats_collector.on_request_finished(rid, reason.type)
+
+    def _update_live(self) -> None:
+        c = self.cache
+        tokens_in_flight = sum(s.num_tokens for s in self.scheduler.running)
+        self.stats_collector.set_live(
+            running=self.scheduler.num_running, queued=self.scheduler.num_waiting,
+            pages_used=c.num_used_blocks, pages_total=c.num_usable_blocks,
+            slots_used=c.num_used_slots, slots_total=c.num_usable_slots, tokens_in_flight=tokens_in_flight,
+        )
