@@ -1,0 +1,90 @@
+"""`trnrt serve`: flags, the ready line, graceful shutdown on SIGTERM with exit 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+
+def test_help_lists_sglang_flags():
+    from typer.testing import CliRunner
+
+    from trnrt.cli import app
+
+    out = CliRunner().invoke(app, ["serve", "--help"], terminal_width=200, env={"COLUMNS": "200"}).output
+    for flag in ("--model", "--host", "--port", "--api-key", "--served-model-name", "--max-running-requests",
+                 "--context-length", "--tool-call-parser", "--reasoning-parser", "--threads"):
+        assert flag in out, flag
+    assert "--scripted" not in out  # hidden
+
+
+def test_cli_import_is_light():
+    code = "import sys, trnrt.cli; assert 'trnrt.serve.app' not in sys.modules and 'waitress' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_bad_parser_flag_is_usage_error(tok_dir):
+    from typer.testing import CliRunner
+
+    from trnrt.cli import app
+
+    r = CliRunner().invoke(app, ["serve", "--scripted", "--model", str(tok_dir), "--tool-call-parser", "qwen"])
+    assert r.exit_code == 2
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_ready_line_and_graceful_shutdown(tok_dir, sig):
+    """The ready line carries the URL; on a signal, new requests get 503, the in-flight stream
+    finishes whole (drain), and the process exits 0."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trnrt", "serve", "--scripted", "--model", str(tok_dir), "--port", "0",
+         "--served-model-name", "tiny", "--max-running-requests", "4", "--scripted-step-delay", "0.02"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url, lines = None, []
+        deadline = time.monotonic() + 30
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"ready at (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                url = m.group(1)
+        assert url, "".join(lines)
+        r = _post(url + "/v1/completions", {"model": "tiny", "prompt": "hello there", "max_tokens": 4})
+        assert r["choices"][0]["finish_reason"] in ("stop", "length")
+        # A stream in flight: 16 echo tokens at 20 ms per step.
+        body = json.dumps({"model": "tiny", "prompt": "one two three four five six seven eight nine ten eleven",
+                           "max_tokens": 16, "stream": True}).encode()
+        stream = urllib.request.urlopen(urllib.request.Request(
+            url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}), timeout=10)
+        first = stream.readline()
+        assert first.startswith(b"data: ")
+        proc.send_signal(sig)
+        time.sleep(0.05)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _post(url + "/v1/completions", {"model": "tiny", "prompt": "late", "max_tokens": 2})
+        assert e.value.code == 503 and json.loads(e.value.read())["error"]["type"] == "service_unavailable"
+        rest = stream.read().decode()
+        assert rest.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in rest
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

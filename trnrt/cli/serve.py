@@ -1,0 +1,165 @@
+"""`trnrt serve`: one engine behind the OpenAI-compatible HTTP API (Falcon on waitress).
+
+Flag names follow SGLang's `launch_server` wherever SGLang has the flag. Nothing heavy is imported
+at module level (this module is imported by `trnrt --help`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Annotated, Optional
+
+import typer
+
+from trnrt.cli import app
+
+
+@dataclass
+class ServeArgs:
+    """Parsed `trnrt serve` options; `build_engine` receives this."""
+
+    model: str | None = None
+    tokenizer_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_running_requests: int = 64
+    max_queued_requests: int | None = None
+    context_length: int | None = None
+    tool_call_parser: str | None = "glm47"
+    reasoning_parser: str | None = "glm45"
+    threads: int | None = None
+    preset: str = "default"
+    drain_timeout_s: float = 30.0
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    scripted: bool = False
+    scripted_step_delay_s: float = 0.0
+
+    @property
+    def max_concurrent_requests(self) -> int:
+        """Requests the HTTP layer holds at once: running plus queued in the engine."""
+        queued = self.max_queued_requests if self.max_queued_requests is not None else self.max_running_requests
+        return self.max_running_requests + queued
+
+
+def resolve_model_dir(args: ServeArgs) -> str:
+    """--model, or the embedded tiny checkpoint (written into the cache on first use).
+
+    With --scripted the directory only needs a tokenizer (no weights are read).
+    """
+    if args.scripted and args.model:
+        return args.model
+    from trnrt.models.paths import resolve_model_dir as resolve
+
+    try:
+        return str(resolve(args.model))
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--model")
+
+
+def build_engine(args: ServeArgs):
+    """Construct the EngineClient for `trnrt serve`. Returns (engine, tokenizer_factory).
+
+    The model directory is `resolve_model_dir(args)`; the tokenizer is read from
+    --tokenizer-path or the model directory (one instance per waitress thread).
+
+    HOOK: the real engine is wired here (`Engine.from_model_dir(model_dir, ...)`); it must satisfy
+    trnrt.engine.client.EngineClient. `--scripted` serves a ScriptedEngine (no model weights).
+    """
+    from trnrt.serve.app import hf_tokenizer_factory
+
+    model_dir = resolve_model_dir(args)
+    tokenizer_factory = hf_tokenizer_factory(args.tokenizer_path or model_dir)
+    if args.scripted:
+        from trnrt.serve.scripted import ScriptedEngine
+
+        max_len = args.context_length or 4096
+        engine = ScriptedEngine(tokenizer_factory(), served_model_name=args.served_model_name or "trnrt-tiny",
+                                model_path=model_dir, max_model_len=max_len,
+                                max_running_requests=args.max_running_requests,
+                                step_delay_s=args.scripted_step_delay_s)
+        return engine, tokenizer_factory
+    try:
+        from trnrt.engine.engine import Engine  # the real engine (written against the same contract)
+    except ModuleNotFoundError as e:
+        if e.name != "trnrt.engine.engine":
+            raise
+        typer.echo("trnrt serve: the engine (trnrt.engine.engine) is not available in this build", err=True)
+        raise typer.Exit(1)
+
+    engine = Engine.from_model_dir(model_dir, preset=args.preset, max_running_requests=args.max_running_requests,
+                                   context_length=args.context_length,
+                                   served_model_name=args.served_model_name)
+    return engine, tokenizer_factory
+
+
+def _parser_choice(value: str | None, choices: tuple[str, ...], flag: str) -> str | None:
+    if value is None or value.lower() in ("none", ""):
+        return None
+    if value == "glm" and flag == "--tool-call-parser":
+        value = "glm45"  # SGLang's alias
+    if value not in choices:
+        raise typer.BadParameter(f"must be one of {', '.join(choices)} or none", param_hint=flag)
+    return value
+
+
+@app.command("serve")
+def serve(
+    model: Annotated[Optional[str], typer.Option("--model", "--model-path", help="Model directory (HF layout). Default: the embedded tiny checkpoint.")] = None,
+    tokenizer_path: Annotated[Optional[str], typer.Option("--tokenizer-path", help="Tokenizer directory (default: the model's).")] = None,
+    host: Annotated[str, typer.Option("--host", help="Interface to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port (0: any free port).", min=0, max=65535)] = 30000,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require `Authorization: Bearer KEY` (all routes but /health).")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id in the API.")] = None,
+    max_running_requests: Annotated[int, typer.Option("--max-running-requests", help="Requests decoding at once.", min=1)] = 64,
+    max_queued_requests: Annotated[Optional[int], typer.Option("--max-queued-requests", help="Requests waiting in the engine (default: --max-running-requests); beyond running + queued, 503.", min=0)] = None,
+    context_length: Annotated[Optional[int], typer.Option("--context-length", help="Max prompt + completion tokens.", min=2)] = None,
+    tool_call_parser: Annotated[str, typer.Option("--tool-call-parser", help="glm47 | glm45 (alias glm) | none.")] = "glm47",
+    reasoning_parser: Annotated[str, typer.Option("--reasoning-parser", help="glm45 | none.")] = "glm45",
+    threads: Annotated[Optional[int], typer.Option("--threads", help="waitress worker threads (default: running + queued + 8).", min=1)] = None,
+    preset: Annotated[str, typer.Option("--preset", help="Graph-shaping preset (presets/*.toml).")] = "default",
+    default_chat_template_kwargs: Annotated[Optional[str], typer.Option("--default-chat-template-kwargs", help="JSON object merged under each request's chat_template_kwargs.")] = None,
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="Seconds to let in-flight requests finish on SIGINT/SIGTERM.", min=0)] = 30.0,
+    log_level: Annotated[str, typer.Option("--log-level", help="debug | info | warning | error.")] = "info",
+    scripted: Annotated[bool, typer.Option("--scripted", hidden=True, help="Serve a scripted engine (tests).")] = False,
+    scripted_step_delay: Annotated[float, typer.Option("--scripted-step-delay", hidden=True, help="Seconds per scripted decode step.")] = 0.0,
+) -> None:
+    """Serve the OpenAI-compatible API (GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /v1/stats)."""
+    import logging
+
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("trnrt.serve")
+    try:
+        kwargs = json.loads(default_chat_template_kwargs) if default_chat_template_kwargs else {}
+    except ValueError as e:
+        raise typer.BadParameter(f"not JSON: {e}", param_hint="--default-chat-template-kwargs")
+    if not isinstance(kwargs, dict):
+        raise typer.BadParameter("must be a JSON object", param_hint="--default-chat-template-kwargs")
+    args = ServeArgs(
+        model=model, tokenizer_path=tokenizer_path, host=host, port=port, api_key=api_key,
+        served_model_name=served_model_name, max_running_requests=max_running_requests,
+        max_queued_requests=max_queued_requests, context_length=context_length,
+        tool_call_parser=_parser_choice(tool_call_parser, ("glm47", "glm45"), "--tool-call-parser"),
+        reasoning_parser=_parser_choice(reasoning_parser, ("glm45",), "--reasoning-parser"),
+        threads=threads, preset=preset, drain_timeout_s=drain_timeout, default_chat_template_kwargs=kwargs,
+        scripted=scripted, scripted_step_delay_s=scripted_step_delay,
+    )
+    from trnrt.serve.app import ServeSettings, create_app
+    from trnrt.serve.server import run
+
+    engine, tokenizer_factory = build_engine(args)
+    settings = ServeSettings(
+        served_model_name=args.served_model_name, api_key=args.api_key, context_length=args.context_length,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        max_concurrent_requests=args.max_concurrent_requests,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+    )
+    wsgi = create_app(engine, tokenizer_factory, settings)
+    name = settings.served_model_name or engine.model_info.served_model_name
+    code = run(wsgi, engine, host=args.host, port=args.port, threads=args.threads,
+               drain_timeout_s=args.drain_timeout_s,
+               on_ready=lambda url: log.info("trnrt serve: ready at %s (model %s)", url, name))
+    raise typer.Exit(code)
