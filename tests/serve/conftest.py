@@ -112,7 +112,10 @@ def make_real_engine():
         return Engine.from_model_dir(default_model_dir(), max_running_requests=64)
     The server then uses the model dir's own tokenizer (see `any_server`).
     """
-    return None
+    from trnrt.engine.engine import Engine
+    from trnrt.models.tiny import default_model_dir
+
+    return Engine.from_model_dir(default_model_dir(), max_running_requests=64)
 # ==================================================================================================
 
 

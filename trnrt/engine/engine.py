@@ -100,9 +100,17 @@ class Engine:
         served_model_name: str | None = None,
         device: str = "cpu",
         compiled: dict | None = None,
+        preset: str | None = None,
+        max_running_requests: int | None = None,
+        context_length: int | None = None,
         start: bool = True,
     ) -> "Engine":
-        """Load the checkpoint (None: the embedded tiny model) and start the engine thread."""
+        """Load the checkpoint (None: the embedded tiny model) and start the engine thread.
+
+        `preset` (a presets/*.toml name or path) gives the EngineConfig when `engine_config` is not
+        passed. `max_running_requests` (SGLang's flag) sizes the slot pool and max_num_seqs;
+        `context_length` caps max_model_len.
+        """
         import torch
         from transformers import AutoTokenizer
 
@@ -111,13 +119,28 @@ class Engine:
         from trnrt.models.paths import resolve_model_dir
 
         path = resolve_model_dir(model_dir)
-        ecfg = engine_config or EngineConfig()
+        if engine_config is None:
+            from trnrt.config.presets import load_preset
+
+            engine_config = load_preset(preset or "default")
+        ecfg = engine_config
+        if context_length is not None:
+            ecfg = ecfg.replace(max_model_len=context_length)
+        if max_running_requests is not None:
+            blocks_per_seq = ecfg.max_blocks_per_seq
+            ecfg = ecfg.replace(
+                num_slots=max_running_requests + 1,
+                # enough pages for every running request at a quarter of the context, and at
+                # least one full-length request (preemption always makes progress)
+                num_blocks=max(ecfg.num_blocks, blocks_per_seq * max(1, max_running_requests // 4) + 1,
+                               blocks_per_seq + 1),
+            )
         dtype = getattr(torch, ecfg.dtype)
         model = load_model(path, dtype=dtype, device=device)
         mcfg = model.config
         max_model_len = min(ecfg.max_model_len, ecfg.max_blocks_per_seq * ecfg.block_size)
         scfg = scheduler_config or SchedulerConfig(
-            max_num_seqs=min(ecfg.max_decode_batch, ecfg.num_slots - 1),
+            max_num_seqs=max_running_requests or min(ecfg.max_decode_batch, ecfg.num_slots - 1),
             max_num_batched_tokens=max(ecfg.max_prefill_tokens, ecfg.max_decode_batch),
             max_model_len=max_model_len,
             max_prefill_chunk_tokens=ecfg.max_prefill_tokens,

@@ -81,9 +81,9 @@ class ModelRunner:
             slots[i] = r.slot_id
             temp[i] = r.temperature
             top_p[i] = r.top_p
-            top_k[i] = r.top_k if r.top_k > 0 else self.vocab_size
+            top_k[i] = min(r.top_k, self.vocab_size) if r.top_k > 0 else self.vocab_size
             min_p[i] = r.min_p
-            seeds[i] = r.seed
+            seeds[i] = r.seed & ((1 << 63) - 1)  # any Python int maps into int64
             sample_pos[i] = r.start_pos + n
         return tuple(t.to(self.device) for t in (ids, start, num_new, tables, slots, temp, top_p, top_k, min_p, seeds, sample_pos))
 
