@@ -32,6 +32,7 @@ from trnrt.engine.stream import OutputStream
 log = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1
+DEFAULT_SERVED_MODEL_NAME = "glm-5.3-flash-tiny"
 
 
 class EngineDeadError(RuntimeError):
@@ -150,9 +151,16 @@ class Engine:
         state = ModelState.allocate(mcfg, ecfg.num_blocks, ecfg.block_size, ecfg.num_slots, dtype, device)
         runner = ModelRunner(model, state, ecfg, mcfg.vocab_size, compiled=compiled)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if served_model_name is None:
+            from trnrt.models.tiny import default_model_dir
+
+            # SGLang and vLLM name a model after the --model string; the embedded checkpoint
+            # gets a stable name instead of its content-hashed cache directory.
+            is_default = model_dir is None or path.resolve() == default_model_dir().resolve()
+            served_model_name = DEFAULT_SERVED_MODEL_NAME if is_default else str(model_dir)
         info = ModelInfo(
             model_path=str(path),
-            served_model_name=served_model_name or path.name,
+            served_model_name=served_model_name,
             vocab_size=mcfg.vocab_size,
             max_model_len=scfg.max_model_len,
             eos_token_ids=read_eos_token_ids(path, tokenizer),
