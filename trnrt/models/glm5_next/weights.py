@@ -1,0 +1,197 @@
+"""Load a glm5_next safetensors checkpoint (single file or sharded) into Glm5NextForServing.
+
+Two namings are accepted and mapped onto the transformers module naming used by the model:
+* transformers (a `model.state_dict()`): merged `mlp.experts.gate_up_proj` / `down_proj`,
+  `self_attn.forget_gate.*`, concatenated `self_attn.conv1d.weight`, `attn_hc.*` / `ffn_hc.*`;
+* release (and `save_pretrained` output): per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`,
+  separate `self_attn.{q,k,v}_conv1d.weight`, `hc_attn_*` / `hc_ffn_*`, `self_attn.{f_a_proj,
+  f_b_proj,dt_bias,A_log}` (A_log 1-D [H] or any shape with H elements).
+Prefixes `model.language_model.`, `language_model.model.`, `model.`, `language_model.` are accepted.
+The vision tower and the MTP layer (`layers.{num_hidden_layers}.*`, `shared_head.*`) are skipped
+with a log line. A missing, unexpected or mis-shaped tensor raises CheckpointError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from .config import Glm5NextConfig
+from .model import Glm5NextForServing
+
+log = logging.getLogger("trnrt.models.glm5_next")
+
+# Parameters transformers keeps in fp32 whatever the model dtype (`_keep_in_fp32_modules_strict`).
+_FP32_PATTERNS = (
+    "e_score_correction_bias", "conv1d.weight", "dt_bias", "A_log",
+    "attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale",
+)
+_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "language_model.")
+_VISION = re.compile(r"^(model\.)?(visual|vision_tower|vision_model|multi_modal_projector|mm_projector)\.")
+_RENAMES = (
+    (".hc_attn_fn", ".attn_hc.fn"), (".hc_attn_base", ".attn_hc.base"), (".hc_attn_scale", ".attn_hc.scale"),
+    (".hc_ffn_fn", ".ffn_hc.fn"), (".hc_ffn_base", ".ffn_hc.base"), (".hc_ffn_scale", ".ffn_hc.scale"),
+    (".self_attn.f_a_proj.", ".self_attn.forget_gate.f_a_proj."),
+    (".self_attn.f_b_proj.", ".self_attn.forget_gate.f_b_proj."),
+    (".self_attn.dt_bias", ".self_attn.forget_gate.dt_bias"),
+    (".self_attn.A_log", ".self_attn.forget_gate.A_log"),
+)
+
+
+class CheckpointError(ValueError):
+    """A missing, unexpected or mis-shaped checkpoint tensor; `.tensor` names it."""
+
+    def __init__(self, tensor: str, message: str):
+        super().__init__(f"checkpoint tensor {tensor!r}: {message}")
+        self.tensor = tensor
+
+
+def is_fp32_param(name: str) -> bool:
+    """Whether transformers keeps this parameter in fp32 in a bf16 model."""
+    return any(p in name for p in _FP32_PATTERNS)
+
+
+def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint: model.safetensors.index.json shards, or *.safetensors files."""
+    from safetensors.torch import load_file
+
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in d.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(str(d), "no *.safetensors files in the checkpoint directory")
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = d / name
+        if not path.exists():
+            raise CheckpointError(name, "shard listed in model.safetensors.index.json is missing")
+        out.update(load_file(str(path)))
+    return out
+
+
+def to_serving_names(raw: dict[str, torch.Tensor], cfg: Glm5NextConfig) -> dict[str, torch.Tensor]:
+    """Map checkpoint names (either naming) onto Glm5NextForServing's state-dict names."""
+    n = cfg.num_hidden_layers
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, int, str], torch.Tensor] = {}
+    convs: dict[tuple[int, str], torch.Tensor] = {}
+    skipped_vision, skipped_mtp = 0, 0
+    for key, t in raw.items():
+        if key in ("lm_head.weight", "language_model.lm_head.weight"):
+            out["lm_head.weight"] = t
+            continue
+        if _VISION.match(key):
+            skipped_vision += 1
+            continue
+        name = key
+        for p in _PREFIXES:
+            if name.startswith(p):
+                name = name[len(p):]
+                break
+        m = re.match(r"layers\.(\d+)\.(.*)$", name)
+        if "shared_head." in name or (m and int(m.group(1)) >= n):
+            skipped_mtp += 1
+            continue
+        if m:
+            i, rest = int(m.group(1)), m.group(2)
+            e = re.match(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", rest)
+            if e:
+                experts[(i, int(e.group(1)), e.group(2))] = t
+                continue
+            c = re.match(r"self_attn\.([qkv])_conv1d\.weight$", rest)
+            if c:
+                convs[(i, c.group(1))] = t
+                continue
+            name = f"layers.{i}.{rest}"
+            for a, b in _RENAMES:
+                if a in "." + name and "forget_gate" not in name:
+                    name = ("." + name).replace(a, b)[1:]
+            if name.endswith("forget_gate.A_log"):
+                t = t.reshape(-1)  # release A_log may carry singleton dims
+        out[name] = t
+    if skipped_vision:
+        log.info("glm5_next: skipped %d vision-tower tensors", skipped_vision)
+    if skipped_mtp:
+        log.info("glm5_next: skipped %d MTP-layer tensors (layers.%d.* / shared_head)", skipped_mtp, n)
+
+    # per-expert weights -> merged [E, 2I, D] / [E, D, I]
+    for i in sorted({k[0] for k in experts}):
+        gu, dn = [], []
+        for ex in range(cfg.n_routed_experts):
+            parts = []
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                t = experts.get((i, ex, proj))
+                if t is None:
+                    raise CheckpointError(f"layers.{i}.mlp.experts.{ex}.{proj}.weight", "missing")
+                parts.append(t)
+            want = (cfg.moe_intermediate_size, cfg.hidden_size)
+            for proj, t, shape in zip(("gate_proj", "up_proj", "down_proj"), parts, (want, want, want[::-1])):
+                if tuple(t.shape) != shape:
+                    raise CheckpointError(
+                        f"layers.{i}.mlp.experts.{ex}.{proj}.weight", f"shape {tuple(t.shape)}, expected {shape}"
+                    )
+            gu.append(torch.cat(parts[:2], 0))
+            dn.append(parts[2])
+        extra = {k[1] for k in experts if k[0] == i} - set(range(cfg.n_routed_experts))
+        if extra:
+            raise CheckpointError(f"layers.{i}.mlp.experts.{min(extra)}.gate_proj.weight", "unexpected expert index")
+        out[f"layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(gu)
+        out[f"layers.{i}.mlp.experts.down_proj"] = torch.stack(dn)
+    # separate q/k/v convs -> concatenated depthwise weight [3*qkv, 1, K]
+    for i in sorted({k[0] for k in convs}):
+        parts = []
+        for which in "qkv":
+            t = convs.get((i, which))
+            if t is None:
+                raise CheckpointError(f"layers.{i}.self_attn.{which}_conv1d.weight", "missing")
+            want = (cfg.linear_num_heads * cfg.linear_head_dim, 1, cfg.linear_conv_kernel_dim)
+            if t.dim() == 2:
+                t = t.unsqueeze(1)
+            if tuple(t.shape) != want:
+                raise CheckpointError(
+                    f"layers.{i}.self_attn.{which}_conv1d.weight", f"shape {tuple(t.shape)}, expected {want}"
+                )
+            parts.append(t)
+        out[f"layers.{i}.self_attn.conv1d.weight"] = torch.cat(parts, 0)
+    return out
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Glm5NextForServing:
+    """Read config.json + safetensors from `model_dir` and return the serving model (eval mode).
+
+    Parameters transformers keeps in fp32 (router bias, conv, dt_bias, A_log, mHC base/scale) stay
+    fp32; all others are cast to `dtype`. Raises ConfigError / CheckpointError naming the culprit.
+    """
+    cfg = Glm5NextConfig.from_pretrained(model_dir)
+    sd = to_serving_names(read_safetensors(model_dir), cfg)
+    with torch.device("meta"):
+        model = Glm5NextForServing(cfg)
+    expected = dict(model.state_dict())
+    for name, ref in expected.items():
+        if name not in sd:
+            raise CheckpointError(name, "missing")
+        t = sd[name]
+        if tuple(t.shape) != tuple(ref.shape):
+            raise CheckpointError(name, f"shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
+        if not t.is_floating_point():
+            raise CheckpointError(name, f"dtype {t.dtype}, expected a floating-point tensor")
+        sd[name] = t.to(device=device, dtype=torch.float32 if is_fp32_param(name) else dtype).contiguous()
+    unexpected = sorted(set(sd) - set(expected))
+    if unexpected:
+        raise CheckpointError(unexpected[0], f"unexpected tensor ({len(unexpected)} in all)")
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.requires_grad_(False)
+    model.eval()
+    model.prepare()
+    return model
