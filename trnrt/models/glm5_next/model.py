@@ -550,13 +550,16 @@ class MLAttention(nn.Module):
             mask = self.indexer(proj[2], proj[3], proj[4], q_resid, meta, state)
         else:
             mask = prev_mask  # shared layer: the previous full layer's selection, verbatim
-        lat = pages.index_select(0, meta.block_tables.reshape(-1)).view(B, 1, -1, R)  # [B,1,T,R]
+        lat = pages.index_select(0, meta.block_tables.reshape(-1)).view(B, -1, R)  # [B,T,R]
+        T = lat.shape[1]
         wkv = self.kv_b_proj.weight.view(H, Dn + self.Dv, R)  # per head [W_UK (Dn rows) | W_UV (Dv rows)]
         qa = torch.matmul(q.transpose(1, 2), wkv[:, :Dn])  # absorbed query [B,H,S,R]
-        sc = torch.matmul(qa, lat.transpose(-1, -2)) * self.scaling  # [B,H,S,T]
+        # One latent head serves every query head (MQA): fold heads into the rows of a bmm
+        # instead of broadcasting the latents over heads, which would copy [B,H,T,R].
+        sc = torch.bmm(qa.reshape(B, H * S, R), lat.transpose(1, 2)).view(B, H, S, T) * self.scaling  # [B,H,S,T]
         sc = sc.masked_fill(~mask.unsqueeze(1), float("-inf"))
         p = torch.softmax(sc, dim=-1, dtype=torch.float32).to(x.dtype)
-        ol = torch.matmul(p, lat)  # latent-space output [B,H,S,R]
+        ol = torch.bmm(p.view(B, H * S, T), lat).view(B, H, S, R)  # latent-space output [B,H,S,R]
         o = torch.matmul(ol, wkv[:, Dn:].transpose(-1, -2))  # [B,H,S,Dv]
         return self.o_proj(o.transpose(1, 2).flatten(-2)), mask
 
