@@ -27,6 +27,9 @@ def stats_server(make_snapshot):
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
             status, body = routes.get(self.path, (404, b'{"error": "not found"}'))
+            key = routes.get("api_key")  # set by a test: answer 401 without `Bearer <key>`
+            if key is not None and self.headers.get("Authorization") != f"Bearer {key}":
+                status, body = 401, b'{"error": {"message": "Invalid or missing API key"}}'
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -83,6 +86,21 @@ def test_once_bad_answers_exit_1(stats_server):
     routes["/v1/stats"] = (200, b"<html>")
     r = runner.invoke(app, ["top", url, "--once"])
     assert r.exit_code == 1 and "bad /v1/stats body" in r.stderr
+
+
+def test_api_key_option_and_envvar(stats_server):
+    url, routes = stats_server
+    routes["api_key"] = "sk-top"
+    r = runner.invoke(app, ["top", url, "--once"], env={"COLUMNS": "120", "TRNRT_API_KEY": ""})
+    assert r.exit_code == 1 and "HTTP 401" in r.stderr and "TRNRT_API_KEY" in r.stderr
+    r = runner.invoke(app, ["top", url, "--once", "--api-key", "wrong"], env={"TRNRT_API_KEY": ""})
+    assert r.exit_code == 1 and "HTTP 401" in r.stderr and "wrong API key" in r.stderr
+    assert "wrong" not in r.stderr.replace("wrong API key", "")  # the key itself is never printed
+    r = runner.invoke(app, ["top", url, "--once", "--api-key", "sk-top"], env={"COLUMNS": "120"})
+    assert r.exit_code == 0 and "engine-1" in r.stdout, r.output
+    r = runner.invoke(app, ["top", url, "--once"], env={"COLUMNS": "120", "TRNRT_API_KEY": "sk-top"})
+    assert r.exit_code == 0 and "engine-1" in r.stdout, r.output
+    assert HttpStatsSource(url, api_key="sk-top").fetch()["version"] == 1
 
 
 def test_usage_errors_and_demo():

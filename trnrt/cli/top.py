@@ -6,7 +6,7 @@ inside the command, so registering the command costs nothing at `trnrt --help`.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -22,6 +22,9 @@ def top(
     once: Annotated[bool, typer.Option("--once", "-1", help="Print one snapshot as a table and exit.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="HTTP timeout per fetch, seconds.")] = 2.0,
     demo: Annotated[bool, typer.Option("--demo", help="Show synthetic traffic instead of a server.")] = False,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="TRNRT_API_KEY", show_envvar=True,
+        help="Send `Authorization: Bearer KEY` (for a server started with --api-key).")] = None,
 ) -> None:
     """Live dashboard of a trnrt server: throughput, latency percentiles, queue and cache use.
 
@@ -31,7 +34,7 @@ def top(
     """
     from trnrt.top.source import DemoStatsSource, HttpStatsSource, SourceError
 
-    source = DemoStatsSource() if demo else HttpStatsSource(url, timeout_s=timeout)
+    source = DemoStatsSource() if demo else HttpStatsSource(url, timeout_s=timeout, api_key=api_key)
     if once:
         from rich.console import Console
 

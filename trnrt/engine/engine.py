@@ -256,7 +256,9 @@ class Engine:
         except InvalidRequestError as e:
             stream.put(RequestOutput(rid, finished=True, finish_reason=FinishReason("abort", message=str(e)), error=str(e)))
             return
-        self.stats_collector.on_request_arrived(rid, len(request.prompt_token_ids))
+        # Stamp the arrival at submit() (arrival_time_s, time.monotonic like the collector's clock),
+        # not now: a request submitted mid-step waited in the inbox, and TTFT/queue/E2E include that.
+        self.stats_collector.on_request_arrived(rid, len(request.prompt_token_ids), now=request.arrival_time_s)
         if seq.is_finished:  # max_new_tokens == 0
             stream.put(RequestOutput(rid, finished=True, finish_reason=seq.finish_reason,
                                      num_prompt_tokens=seq.num_prompt_tokens))

@@ -225,6 +225,32 @@ class Stats:
         resp.text = json.dumps(self.state.engine.stats(), ensure_ascii=False)
 
 
+class Metrics:
+    """GET /metrics: the /v1/stats figures in a Prometheus exposition format (trnrt.stats.prometheus).
+
+    One snapshot per scrape, rendered by prometheus_client; the format and its content type come
+    from prometheus_client's `choose_encoder` for the request's Accept header (text 0.0.4 by default,
+    OpenMetrics or text 1.0.0 when a scraper asks), as prometheus_client's own WSGI app does.
+    Needs the API key when one is set, like /v1/stats (docs/API.md).
+    """
+
+    def __init__(self, state: ServeState):
+        self.state = state
+
+    def on_get(self, req, resp) -> None:
+        from prometheus_client.exposition import choose_encoder
+        from prometheus_client.registry import CollectorRegistry
+
+        from trnrt.stats.prometheus import SnapshotCollector
+
+        snapshot = self.state.engine.stats()
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(SnapshotCollector(lambda: snapshot))
+        encoder, content_type = choose_encoder(req.get_header("Accept") or "")
+        resp.content_type = content_type
+        resp.data = encoder(registry)
+
+
 def create_app(engine_client: EngineClient, tokenizer_factory: Callable[[], object],
                settings: ServeSettings | None = None) -> falcon.App:
     """Build the WSGI app.
@@ -246,6 +272,7 @@ def create_app(engine_client: EngineClient, tokenizer_factory: Callable[[], obje
     errors.register(app)
     app.add_route("/health", Health(state))
     app.add_route("/v1/stats", Stats(state))
+    app.add_route("/metrics", Metrics(state))
     openai_routes.add_routes(app, state)
     return app
 

@@ -193,7 +193,7 @@ class TopApp(App):
         self._prev = snap
 
         self.query_one("#summary", Static).update(
-            f"{h['model']} · preset {h['preset']} · {h['backend']} {h['mode']} · trnrt {h['version']} · "
+            f"{h['model']} · preset {h['preset']} · {h['runtime']} · trnrt {h['version']} · "
             f"up {h['uptime']} · {h['engines']} engine(s) · {live.get('running', 0)} running · "
             f"{live.get('queued', 0)} queued · {cnt.get('requests_finished_total', 0)} done · "
             f"{cnt.get('errors', 0)} errors"

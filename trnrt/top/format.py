@@ -89,11 +89,15 @@ def header_info(snap: dict) -> dict:
     """Model, preset, backend, compiled and version of the first engine (a router's are alike)."""
     engines = snap.get("engines") or []
     info = dict((engines[0].get("info") or {}) if engines else {})
+    backend = info.get("backend") or "?"
+    mode = "compiled" if info.get("compiled") else "eager"
     return {
         "model": info.get("served_model_name") or info.get("model") or "?",
         "preset": info.get("preset") or "?",
-        "backend": info.get("backend") or "?",
-        "mode": "compiled" if info.get("compiled") else "eager",
+        "backend": backend,
+        "mode": mode,
+        # "cpu compiled", or just "eager" when the backend already says it (no "eager eager")
+        "runtime": backend if backend == mode else f"{backend} {mode}",
         "version": info.get("version") or "?",
         "uptime": fmt_duration(snap.get("uptime_s")),
         "engines": len(engines),
@@ -179,11 +183,17 @@ def once_renderable(snap: dict, source: str) -> Group:
     summary = Table(title=f"trnrt top · {source}", show_header=False, title_justify="left")
     summary.add_column("key", style="bold")
     summary.add_column("value")
-    summary.add_row("model", f"{h['model']} (preset {h['preset']}, {h['backend']}, {h['mode']}, trnrt {h['version']})")
+    summary.add_row("model", f"{h['model']} (preset {h['preset']}, {h['runtime']}, trnrt {h['version']})")
     summary.add_row("uptime", f"{h['uptime']} · {h['engines']} engine(s)")
     summary.add_row("requests", f"{live.get('running', 0)} running · {live.get('queued', 0)} queued · "
                                 f"{cnt.get('requests_finished_total', 0)} finished · "
                                 f"{cnt.get('aborts', 0)} aborted · {cnt.get('errors', 0)} errors")
+    by = cnt.get("requests_finished") or {}
+    summary.add_row("totals", f"{cnt.get('requests_arrived', 0)} arrived · finished: "
+                              + ", ".join(f"{by.get(k, 0)} {k}" for k in ("stop", "length", "abort", "error"))
+                              + f" · {cnt.get('preemptions', 0)} preemptions")
+    summary.add_row("tokens", f"{cnt.get('prompt_tokens', 0)} prompt · {cnt.get('generation_tokens', 0)} output · "
+                              f"{cnt.get('cached_tokens', 0)} cached")
     summary.add_row("throughput 1m", f"{fmt_rate(rates.get('generation_tokens_per_s'))} output tok/s · "
                                      f"{fmt_rate(rates.get('prompt_tokens_per_s'))} prompt tok/s · "
                                      f"{fmt_rate(rates.get('requests_finished_per_s'))} req/s")

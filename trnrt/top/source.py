@@ -50,18 +50,29 @@ def stats_url(url: str) -> str:
 
 
 class HttpStatsSource:
-    """Fetches snapshots over HTTP with urllib.request."""
+    """Fetches snapshots over HTTP with urllib.request.
 
-    def __init__(self, url: str = DEFAULT_URL, timeout_s: float = 2.0) -> None:
+    `api_key`: sent as `Authorization: Bearer <api_key>` (a server started with --api-key needs it).
+    The key is never part of `description` or of an error message.
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, timeout_s: float = 2.0, api_key: str | None = None) -> None:
         self.description = stats_url(url)
         self.timeout_s = timeout_s
+        self._headers = {"Accept": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
 
     def fetch(self) -> dict:
-        req = urllib.request.Request(self.description, headers={"Accept": "application/json"})
+        req = urllib.request.Request(self.description, headers=self._headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 body = resp.read()
         except urllib.error.HTTPError as e:
+            if e.code == 401:
+                hint = ("wrong API key" if "Authorization" in self._headers
+                        else "the server needs an API key: --api-key or TRNRT_API_KEY")
+                raise SourceError(f"HTTP 401 {e.reason} ({hint})") from e
             raise SourceError(f"HTTP {e.code} {e.reason}") from e
         except urllib.error.URLError as e:
             raise SourceError(str(e.reason)) from e
