@@ -157,7 +157,7 @@ def test_oversize_body(any_server):
 
 
 def test_no_leak_after_bad_inputs(any_server):
-    from conftest import assert_idle
+    from serve_support import assert_idle
 
     assert_idle(any_server)
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import assert_idle, counters, live, make_scripted_engine, start_server, stop_server
+from serve_support import assert_idle, counters, live, make_scripted_engine, start_server, stop_server
 
 MODEL = "trnrt-tiny"
 

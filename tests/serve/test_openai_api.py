@@ -12,7 +12,7 @@ import re
 import openai
 import pytest
 
-from conftest import SCRIPTS, start_server, stop_server
+from serve_support import SCRIPTS, start_server, stop_server
 
 MODEL = "trnrt-tiny"
 TOOLS = [{"type": "function", "function": {
@@ -180,7 +180,7 @@ def test_tool_call_stream(scripted_server):
 
 
 def test_tool_call_glm45_server(tokenizer_factory):
-    from conftest import make_scripted_engine
+    from serve_support import make_scripted_engine
     from trnrt.serve.app import ServeSettings
 
     server = start_server(make_scripted_engine(tokenizer_factory), tokenizer_factory,
@@ -323,7 +323,7 @@ def test_usage_counts_match_engine(scripted_server):
 
 # --- auth, shutdown -------------------------------------------------------------------------------
 def test_api_key(tokenizer_factory):
-    from conftest import make_scripted_engine
+    from serve_support import make_scripted_engine
     from trnrt.serve.app import ServeSettings
 
     server = start_server(make_scripted_engine(tokenizer_factory), tokenizer_factory,
@@ -382,7 +382,7 @@ def test_concurrent_streams_then_idle(any_server):
     [DONE], and the engine ends idle (meaningful on the real engine: pages and slots freed)."""
     import threading
 
-    from conftest import assert_idle
+    from serve_support import assert_idle
     from test_concurrency import RawStream, stream_body
 
     results, errors = {}, []
@@ -412,7 +412,7 @@ def test_concurrent_streams_then_idle(any_server):
 
 def test_default_chat_template_kwargs(tokenizer_factory):
     """--default-chat-template-kwargs apply under the request's own kwargs."""
-    from conftest import make_scripted_engine
+    from serve_support import make_scripted_engine
     from trnrt.serve.app import ServeSettings
 
     server = start_server(make_scripted_engine(tokenizer_factory), tokenizer_factory,
