@@ -75,12 +75,11 @@ def check_bench_args(batch: int, input_len: int, output_len: int, num_prompts: i
 def bench_engine_config(batch: int, input_len: int, output_len: int, base=None):
     """An EngineConfig that runs `batch` sequences of input_len + output_len tokens at once.
 
-    `base` (default: EngineConfig()) is widened where it is too small: max_model_len, a decode
-    bucket for `batch`, slots and pages. A compiled preset is used as it is (see run_bench).
+    `base` (default: the "default" preset, what `Engine.from_model_dir` and `trnrt serve` run) is
+    widened where it is too small: max_model_len, a decode bucket for `batch`, slots and pages.
+    An explicit preset (or a compiled one) is used as it is (see run_bench).
     """
-    from trnrt.config import EngineConfig
-
-    cfg = base or EngineConfig()
+    cfg = base or _default_preset()
     need_len = input_len + output_len
     max_len = max(cfg.max_model_len, -(-need_len // cfg.block_size) * cfg.block_size)
     buckets = cfg.decode_batch_buckets
@@ -90,6 +89,16 @@ def bench_engine_config(batch: int, input_len: int, output_len: int, base=None):
     blocks = max(cfg.num_blocks, 1 + max(per_seq, batch * -(-need_len // cfg.block_size)))
     slots = max(cfg.num_slots, batch + 1)
     return cfg.replace(max_model_len=max_len, decode_batch_buckets=buckets, num_blocks=blocks, num_slots=slots)
+
+
+def _default_preset():
+    from trnrt.config import EngineConfig
+    from trnrt.config.presets import PresetError, load_preset
+
+    try:
+        return load_preset("default")
+    except PresetError:  # no presets directory (an unusual install): the built-in defaults
+        return EngineConfig()
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -108,17 +117,37 @@ def run_bench(
     engine_config=None,
     compiled_loader: CompiledLoader | None = None,
     progress: ProgressFn | None = None,
+    threads: int | None = None,
 ) -> dict:
     """Run the benchmark; return {batch, input_len, output_len, prefill_tok_s, decode_tok_s,
     decode_step_ms} plus, with compare_hf, "hf" (the same fields for transformers) and "ratio"
     ({"prefill", "decode"}: trnrt / transformers throughput).
 
-    engine_config: used as is when given (e.g. a compiled preset's); else bench_engine_config().
+    engine_config: used as is when given (a preset, e.g. the compiled one); else bench_engine_config()
+    (the default preset, widened to fit the run).
     compiled_loader: called with (model, state, engine_config) before the engine starts; its dict
     of compiled graphs replaces the eager step function for the specs it holds.
+    threads: torch intra-op threads for the run (both sides; restored afterwards); None keeps the
+    current setting.
     Raises BenchError (naming the field) for sizes the engine cannot run.
     """
     n_prompts = check_bench_args(batch, input_len, output_len, num_prompts)
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise BenchError(f"threads must be an integer >= 1, got {threads!r}", field="threads")
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run_bench(model_dir, batch, input_len, output_len, n_prompts, compare_hf, seed, engine_config,
+                          compiled_loader, progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_bench(model_dir, batch, input_len, output_len, n_prompts, compare_hf, seed, engine_config,
+               compiled_loader, progress) -> dict:
     from trnrt.models.paths import resolve_model_dir
 
     path = resolve_model_dir(model_dir)
@@ -131,6 +160,10 @@ def run_bench(
                          f"{ecfg.max_model_len}", field="input_len")
     if batch > ecfg.num_slots - 1:
         raise BenchError(f"batch {batch} exceeds the {ecfg.num_slots - 1} sequence slots", field="batch")
+    pages = batch * -(-(input_len + output_len) // ecfg.block_size)
+    if pages > ecfg.num_blocks - 1:  # the run would preempt, and time recomputation
+        raise BenchError(f"batch {batch} x {input_len + output_len} tokens needs {pages} pages, the cache has "
+                         f"{ecfg.num_blocks - 1}", field="batch")
 
     waves = math.ceil(n_prompts / batch)
     # units: trnrt warm-up + (prefill + decode) per wave; the same again for transformers
@@ -185,10 +218,21 @@ def _build_engine(path, ecfg, batch: int, compiled_loader: CompiledLoader | None
 
 def _run_wave(engine, prompts: list[list[int]], sp) -> float:
     """Submit `prompts` together, wait for every stream to finish; return the wall time."""
+    import sys
+
     from trnrt.engine.request import GenerateRequest
 
-    t0 = time.perf_counter()
-    streams = [engine.submit(GenerateRequest(prompt_token_ids=list(p), sampling_params=sp.clone())) for p in prompts]
+    reqs = [GenerateRequest(prompt_token_ids=list(p), sampling_params=sp.clone()) for p in prompts]
+    # Keep the GIL until every request is in the engine's inbox, so the first step sees the whole
+    # batch (otherwise the engine thread may wake on the first submit and prefill it alone).
+    # submit() makes no blocking call when the request has a seed.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        t0 = time.perf_counter()
+        streams = [engine.submit(r) for r in reqs]
+    finally:
+        sys.setswitchinterval(interval)
     for s in streams:
         for out in s:
             if out.finished and out.error:
@@ -199,8 +243,10 @@ def _run_wave(engine, prompts: list[list[int]], sp) -> float:
 def _bench_trnrt(engine, prompts: list[list[int]], batch: int, output_len: int, tick) -> dict:
     from trnrt.engine.request import SamplingParams
 
-    first_token = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-    full = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    # greedy; a seed anyway, so that submit() draws no random seed (a syscall that lets the engine
+    # thread start on a partial batch)
+    first_token = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True, seed=0)
+    full = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True, seed=0)
     waves = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
 
     # Warm-up: one wave, prefill and a few decode steps (the buckets the timed runs use).
@@ -293,7 +339,8 @@ def _bench_hf(path, prompts: list[list[int]], batch: int, output_len: int, tick)
                                  min_new_tokens=n, pad_token_id=pad)
         dt = time.perf_counter() - t0
         if out.shape != (ids.shape[0], ids.shape[1] + n):
-            raise RuntimeError(f"transformers generated {tuple(out.shape)}, expected {(ids.shape[0], ids.shape[1] + n)}")
+            expected = (ids.shape[0], ids.shape[1] + n)
+            raise RuntimeError(f"transformers generated {tuple(out.shape)}, expected {expected}")
         return dt
 
     first = torch.tensor(waves[0], dtype=torch.long)

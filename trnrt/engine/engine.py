@@ -174,6 +174,19 @@ class Engine:
 
     def submit(self, request: GenerateRequest) -> OutputStream:
         """Queue a request. Raises InvalidRequestError naming the field if it can never run."""
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: list[GenerateRequest]) -> list[OutputStream]:
+        """Validate every request first, then queue them together (one inbox item, so the engine
+        thread admits them in the same step). Nothing is queued if any request is invalid."""
+        for request in requests:
+            self._prepare(request)
+        streams = [OutputStream(r.request_id) for r in requests]
+        self._inbox.put(("add_many", list(zip(requests, streams)), None))
+        self._wake.set()
+        return streams
+
+    def _prepare(self, request: GenerateRequest) -> None:
         if not self._accepting or not self.thread.is_alive():
             raise EngineDeadError("the engine is not accepting requests (shutting down)")
         vocab = self.model_info.vocab_size
@@ -190,10 +203,6 @@ class Engine:
             request.sampling_params = request.sampling_params.clone(seed=int.from_bytes(os.urandom(8), "little") & _SEED_MASK)
         if request.arrival_time_s is None:
             request.arrival_time_s = time.monotonic()
-        stream = OutputStream(request.request_id)
-        self._inbox.put(("add", request, stream))
-        self._wake.set()
-        return stream
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))
@@ -241,8 +250,9 @@ class Engine:
                 kind, payload, stream = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                self._add(payload, stream)
+            if kind == "add_many":
+                for request, req_stream in payload:
+                    self._add(request, req_stream)
             elif kind == "abort":
                 self._abort(payload, "aborted by client")
             elif kind == "abort_all":

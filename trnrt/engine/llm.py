@@ -63,11 +63,12 @@ class LLM:
             params = [sampling_params or SamplingParams()] * n
         else:
             params = list(sampling_params)
-        streams = []
+        reqs = []
         for p, sp in zip(prompts, params):
             ids = self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
-            req = GenerateRequest(prompt_token_ids=ids, sampling_params=sp.clone())
-            streams.append((req, self.engine.submit(req)))
+            reqs.append(GenerateRequest(prompt_token_ids=ids, sampling_params=sp.clone()))
+        # All or nothing: an invalid prompt raises before any request is queued.
+        streams = list(zip(reqs, self.engine.submit_many(reqs)))
         results = []
         for req, stream in streams:
             res = GenerationResult(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,

@@ -1,0 +1,123 @@
+"""`trnrt bench`: offline prefill / decode throughput, optionally against transformers.
+
+The measuring lives in trnrt.engine.bench.run_bench (see its module doc for what is timed); this
+module parses options, draws the progress bar and prints. Nothing heavy is imported at module level.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from trnrt.cli import app
+
+
+def _fail(message: str, code: int = 2) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True).print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _compiled_loader(directory: str, backend: Optional[str]):
+    """A run_bench compiled_loader over trnrt.compile.load_compiled (the CLI layer may import compile)."""
+    from trnrt.compile import load_compiled
+
+    def load(model, state, engine_config):
+        return load_compiled(directory, model, state, engine_config, backend=backend)
+
+    return load
+
+
+@app.command("bench")
+def bench(
+    model: Annotated[Optional[str], typer.Option("--model", help="Checkpoint directory (default: the embedded tiny model).")] = None,
+    batch: Annotated[int, typer.Option("--batch", help="Sequences decoded together.")] = 8,
+    input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens per sequence.")] = 32,
+    output_len: Annotated[int, typer.Option("--output-len", help="Generated tokens per sequence (>= 2).")] = 32,
+    num_prompts: Annotated[Optional[int], typer.Option("--num-prompts", help="Prompts in all, run in waves of --batch (default: --batch).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random prompts.")] = 0,
+    compare_hf: Annotated[bool, typer.Option("--compare-hf", help="Also run transformers' generate on the same checkpoint and prompts; print the ratios.")] = False,
+    compiled: Annotated[Optional[str], typer.Option("--compiled", help="Run the graphs compiled by `trnrt compile` under DIR (uses --preset's settings).", metavar="DIR")] = None,
+    preset: Annotated[Optional[str], typer.Option("--preset", help="Graph-shaping preset, used as is (default: the 'default' preset, widened to fit the run; as is with --compiled).")] = None,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="With --compiled: the artifact backend directory to use.")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads for both sides (default: torch's default).", min=1)] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+) -> None:
+    """Benchmark prefill and decode throughput on random prompts (offline, greedy, ignore_eos)."""
+    from trnrt.engine.bench import BenchError, check_bench_args
+
+    try:
+        check_bench_args(batch, input_len, output_len, num_prompts)
+    except BenchError as e:
+        _fail(f"--{(e.field or '').replace('_', '-')}: {e}")
+
+    engine_config = None
+    if preset is not None or compiled is not None:
+        from trnrt.config.presets import PresetError, load_preset
+
+        try:
+            engine_config = load_preset(preset or "default")
+        except PresetError as e:
+            _fail(f"--preset: {e}")
+    loader = _compiled_loader(compiled, backend) if compiled is not None else None
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from trnrt.engine.bench import run_bench
+
+    # The bar goes to stderr so that --json output on stdout stays one clean object.
+    err = Console(stderr=True)
+    with Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=json_out) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def progress(desc: str, done: int, total: int) -> None:
+            bar.update(task, description=desc, completed=done, total=total)
+
+        try:
+            result = run_bench(model, batch=batch, input_len=input_len, output_len=output_len,
+                               num_prompts=num_prompts, compare_hf=compare_hf, seed=seed,
+                               engine_config=engine_config, compiled_loader=loader, progress=progress,
+                               threads=threads)
+        except BenchError as e:
+            bar.stop()
+            _fail(f"--{(e.field or '').replace('_', '-')}: {e}")
+        except ValueError as e:  # --model, or a compiled artifact that does not fit (CompiledArtifactError)
+            bar.stop()
+            _fail(f"{'--compiled' if compiled and type(e).__name__ == 'CompiledArtifactError' else '--model'}: {e}")
+    if json_out:
+        typer.echo(json.dumps(result))
+        return
+    _print_table(result, compiled is not None)
+
+
+def _fmt(v, unit: str = "") -> str:
+    return "-" if v is None else f"{v:,.2f}{unit}"
+
+
+def _print_table(r: dict, compiled: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    hf = r.get("hf")
+    t = Table(title=f"batch {r['batch']}, {r['input_len']} in, {r['output_len']} out, "
+              + ("compiled" if compiled else "eager"), title_justify="left")
+    t.add_column("")
+    t.add_column("trnrt", justify="right")
+    if hf:
+        t.add_column("transformers", justify="right")
+        t.add_column("ratio", justify="right")
+    rows = (("prefill tok/s", "prefill_tok_s", "prefill"), ("decode tok/s", "decode_tok_s", "decode"),
+            ("decode step ms", "decode_step_ms", None))
+    for label, key, rkey in rows:
+        cells = [label, _fmt(r[key])]
+        if hf:
+            ratio = r["ratio"].get(rkey) if rkey else (hf[key] / r[key] if r[key] and hf[key] else None)
+            cells += [_fmt(hf[key]), "-" if ratio is None else f"{ratio:.2f}x"]
+        t.add_row(*cells)
+    Console().print(t)
