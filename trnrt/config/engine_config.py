@@ -44,11 +44,16 @@ class EngineConfig:
     max_top_logprobs: int = 20
     preset: str = "default"
     variants: tuple[str, ...] = ()
+    # Set from a preset (trnrt.config.presets). tensor_parallel shards every graph; compiler_args
+    # holds per-backend compiler settings as ((backend, canonical JSON), ...) so the config stays
+    # hashable; read them with trnrt.config.presets.compiler_options(config, backend).
+    tensor_parallel: int = 1
+    compiler_args: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise EngineConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}", field="dtype")
-        for name in ("block_size", "max_model_len", "num_blocks", "num_slots"):
+        for name in ("block_size", "max_model_len", "num_blocks", "num_slots", "tensor_parallel"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise EngineConfigError(f"{name} must be a positive integer, got {v!r}", field=name)
@@ -56,6 +61,8 @@ class EngineConfig:
         object.__setattr__(self, "prefill_token_buckets", tuple(self.prefill_token_buckets))
         _check_buckets("decode_batch_buckets", self.decode_batch_buckets)
         _check_buckets("prefill_token_buckets", self.prefill_token_buckets)
+        object.__setattr__(self, "variants", tuple(self.variants))
+        object.__setattr__(self, "compiler_args", tuple((str(b), str(a)) for b, a in self.compiler_args))
         if self.num_slots < 2:
             raise EngineConfigError("num_slots must be >= 2 (slot 0 is reserved scratch)", field="num_slots")
         if self.num_blocks < 2:

@@ -1,0 +1,84 @@
+"""Backend selection and the cheap compile paths (dry run, eager); refusals exit 2 and say why."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from trnrt.cli import app
+
+
+def compile_(*args: str):
+    return CliRunner().invoke(app, ["compile", *args], catch_exceptions=False)
+
+
+def _neuron_sdk() -> bool:
+    try:
+        import torch_neuronx  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_neuron_sdk(), reason="the Neuron SDK is installed here")
+def test_neuron_without_sdk_exits_2(tmp_path):
+    r = compile_("--preset", "batch8", "--backend", "neuron", "--out", str(tmp_path))
+    assert r.exit_code == 2
+    assert "Neuron SDK" in r.output
+    assert not any(tmp_path.iterdir())  # nothing was written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_cuda_without_device_exits_2(tmp_path):
+    r = compile_("--preset", "batch8", "--backend", "cuda", "--out", str(tmp_path))
+    assert r.exit_code == 2 and "CUDA device" in r.output
+
+
+def test_usage_errors_exit_2(tmp_path):
+    assert compile_("--backend", "tpu", "--out", str(tmp_path)).exit_code == 2
+    r = compile_("--preset", "no-such", "--out", str(tmp_path))
+    assert r.exit_code == 2 and "unknown preset" in r.output
+    r = compile_("--preset", "batch8", "--structured-outputs", "--out", str(tmp_path))
+    assert r.exit_code == 2 and "no variant graph is defined for --structured-outputs" in r.output
+
+
+def test_neuron_backend_module_imports_without_sdk():
+    from trnrt.compile.backends import get_backend
+
+    ok, why = get_backend("neuron").available()
+    assert ok == _neuron_sdk()
+    assert importlib.util.find_spec("trnrt.compile.backends") is not None
+
+
+def test_dry_run_and_eager_backend(tiny_dir, tiny_model, tmp_path):
+    from trnrt.compile import load_compiled
+    from trnrt.compile.manifest import Manifest
+    from trnrt.config.presets import load_preset
+    from trnrt.engine.step import StepFunction, example_inputs
+
+    gid = "decode-b8-t1-base"
+    r = compile_("--preset", "batch8", "--model", str(tiny_dir), "--out", str(tmp_path), "--backend", "eager",
+                 "--only", gid)
+    assert r.exit_code == 0, r.output
+    man = Manifest.read(tmp_path / "batch8" / "eager")
+    e = man.entry(gid)
+    assert e.status == "load-time" and e.bytes == 0 and len(e.graph_hash) == 64
+
+    cfg = load_preset("batch8")
+    spec = next(s for s in __import__("trnrt.compile", fromlist=["expand"]).expand(cfg) if s.graph_id == gid)
+    st = tiny_model.allocate_state(cfg.num_blocks, cfg.block_size, cfg.num_slots)
+    fns = load_compiled(tmp_path, tiny_model, st, cfg, specs=[spec], check_graphs=False)
+    x = example_inputs(spec, cfg.max_blocks_per_seq, 4096)
+    st2 = tiny_model.allocate_state(cfg.num_blocks, cfg.block_size, cfg.num_slots)
+    with torch.no_grad():
+        ref = StepFunction(tiny_model, st2, cfg.max_top_logprobs)(*x)
+    for a, b in zip(fns[spec](*x), ref):
+        assert torch.equal(a, b)
+
+    r = compile_("--preset", "batch8", "--model", str(tiny_dir), "--out", str(tmp_path), "--dry-run", "--only", gid)
+    assert r.exit_code == 0, r.output
+    e = Manifest.read(tmp_path / "batch8" / "cpu").entry(gid)
+    assert e.status == "exported" and e.artifact is None and e.graph_hash == man.entry(gid).graph_hash

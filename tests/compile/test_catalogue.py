@@ -1,0 +1,85 @@
+"""The graph catalogue: expand() pinned per preset, deterministic, flags add variants only."""
+
+from __future__ import annotations
+
+import pytest
+
+from trnrt.compile.catalogue import (
+    UnknownVariantError, expand, register_variant, spec_from_id, unregister_variant,
+)
+from trnrt.config.presets import list_presets, load_preset
+
+# Pinned spec lists: a change here is a change of what every runner compiles and runs.
+PINNED = {
+    "default": [
+        "decode-b1-t1-base", "decode-b2-t1-base", "decode-b4-t1-base", "decode-b8-t1-base",
+        "prefill-b1-t16-base", "prefill-b1-t64-base",
+    ],
+    "batch8": ["decode-b8-t1-base", "prefill-b1-t32-base", "prefill-b1-t128-base"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_expand_pinned(name):
+    assert [s.graph_id for s in expand(load_preset(name))] == PINNED[name]
+
+
+def test_every_shipped_preset_is_pinned():
+    assert set(list_presets()) <= set(PINNED), "pin the spec list of every new preset here"
+
+
+def test_expand_is_deterministic_and_sorted():
+    cfg = load_preset("default")
+    a, b = expand(cfg), expand(cfg)
+    assert a == b and a is not b
+    assert [s.graph_id for s in a] == PINNED["default"]
+    assert all(spec_from_id(s.graph_id) == s for s in a)
+
+
+def test_known_flag_without_variant_is_refused():
+    cfg = load_preset("default")
+    for flag in ("structured_outputs", "penalties"):
+        with pytest.raises(UnknownVariantError, match="no variant graph is defined for --" + flag.replace("_", "-")):
+            expand(cfg, [flag])
+
+
+@pytest.fixture
+def test_variant():
+    """A test-only variant: decode graphs take an extra [B, V] logit bias input."""
+    import torch
+
+    from trnrt.compile.export import spec_inputs  # noqa: F401  (import check)
+    from trnrt.engine.step import StepFunction
+
+    class BiasStep(StepFunction):
+        def forward(self, *args):
+            *base, bias = args
+            return super().forward(*base)  # the bias is validated for shape only in this stub
+
+    def extra(spec, cfg, vocab, device):
+        return (torch.zeros(spec.batch, vocab, device=device),)
+
+    vd = register_variant({"test_bias"}, ("decode",), lambda m, s, c: BiasStep(m, s, c.max_top_logprobs), extra,
+                          ("logit_bias",))
+    yield vd
+    unregister_variant({"test_bias"})
+
+
+def test_flags_add_variants_and_never_change_the_base(test_variant):
+    cfg = load_preset("default")
+    base = expand(cfg)
+    with_flag = expand(cfg, ["test_bias"])
+    assert [s for s in with_flag if s.variant == "base"] == base
+    variants = [s.graph_id for s in with_flag if s.variant != "base"]
+    assert variants == ["decode-b1-t1-test_bias", "decode-b2-t1-test_bias", "decode-b4-t1-test_bias",
+                        "decode-b8-t1-test_bias"]
+    # flags stored on the config are the default
+    assert expand(cfg.replace(variants=("test_bias",))) == with_flag
+    # sorted: each variant right after its base spec
+    ids = [s.graph_id for s in with_flag]
+    assert ids.index("decode-b1-t1-test_bias") == ids.index("decode-b1-t1-base") + 1
+
+
+def test_flag_sets_need_their_own_definition(test_variant):
+    with pytest.raises(UnknownVariantError):
+        expand(load_preset("default"), ["test_bias", "penalties"])

@@ -1,0 +1,134 @@
+"""`trnrt compile`: ahead-of-time compile every graph of a preset; writes a manifest.
+
+Nothing heavy is imported at module level (this module is imported by `trnrt --help`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from trnrt.cli import app
+
+BACKEND_CHOICES = ("cpu", "cuda", "neuron", "eager")
+
+
+def selected_flags(structured_outputs: bool, penalties: bool) -> list[str]:
+    return [f for f, on in (("structured_outputs", structured_outputs), ("penalties", penalties)) if on]
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@app.command("compile")
+def compile_cmd(
+    preset: Annotated[str, typer.Option("--preset", help="Preset name (presets/NAME.toml) or path to a .toml.")] = "default",
+    structured_outputs: Annotated[bool, typer.Option("--structured-outputs", help="Also compile the structured-output variant graphs.")] = False,
+    penalties: Annotated[bool, typer.Option("--penalties", help="Also compile the penalties variant graphs.")] = False,
+    model: Annotated[Optional[str], typer.Option("--model", help="Checkpoint directory (default: the embedded tiny model).")] = None,
+    backend: Annotated[str, typer.Option("--backend", help="cpu (AOTInductor), cuda (CUDA graphs), neuron, or eager.")] = "cpu",
+    out: Annotated[Path, typer.Option("--out", help="Artifact root; writes OUT/PRESET/BACKEND/manifest.json.")] = Path("artifacts"),
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Export and hash only; compile nothing.")] = False,
+    keep_going: Annotated[bool, typer.Option("--keep-going", help="Go on after a graph fails (exit 1 at the end).")] = False,
+    only: Annotated[Optional[list[str]], typer.Option("--only", help="Compile only this graph id (repeatable).")] = None,
+) -> None:
+    """Export, hash and compile every graph of a preset; reuse up-to-date artifacts.
+
+    Exit codes: 0 all graphs ok, 1 a graph failed, 2 usage error (unknown preset or flag, backend
+    not available on this machine).
+    """
+    from rich.console import Console
+
+    console = Console(stderr=False)
+    err = Console(stderr=True)
+    if backend not in BACKEND_CHOICES:
+        err.print(f"[red]error:[/red] --backend must be one of {', '.join(BACKEND_CHOICES)}, got {backend!r}")
+        raise typer.Exit(2)
+    flags = selected_flags(structured_outputs, penalties)
+
+    from trnrt.config.presets import PresetError, read_preset
+
+    try:
+        p = read_preset(preset)
+    except PresetError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2)
+
+    from trnrt.compile.backends import get_backend
+    from trnrt.compile.catalogue import UnknownVariantError, expand
+
+    ok, why = get_backend(backend).available()
+    if not ok:
+        err.print(f"[red]error:[/red] {why}")
+        raise typer.Exit(2)
+    cfg = p.engine_config.replace(variants=tuple(flags))
+    try:
+        specs = expand(cfg, flags)
+    except UnknownVariantError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2)
+
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from trnrt.compile.pipeline import CompileFailed, compile_graphs, load_model_and_state
+
+    try:
+        # The graphs are exported (and hashed) on the device they will run on.
+        mdl, state = load_model_and_state(model, cfg, device="cuda" if backend == "cuda" else "cpu")
+    except (ValueError, OSError) as e:
+        err.print(f"[red]error:[/red] --model: {e}")
+        raise typer.Exit(2)
+
+    n = len(only) if only else len(specs)
+    console.print(f"compile [bold]{p.name}[/bold] ({p.path}) backend [bold]{backend}[/bold], {n} graph(s)"
+                  f"{', flags ' + '+'.join(flags) if flags else ''}{' (dry run)' if dry_run else ''}")
+    started: dict[str, float] = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        task = progress.add_task("starting", total=n)
+
+        def on_event(ev) -> None:
+            if ev.stage == "export":
+                started[ev.graph_id] = time.perf_counter()
+            if ev.stage in ("export", "hash", "compile"):
+                progress.update(task, description=f"{ev.graph_id}: {ev.stage}")
+            elif ev.stage in ("done", "reused", "failed"):
+                dt = time.perf_counter() - started.get(ev.graph_id, time.perf_counter())
+                mark = {"done": "[green]ok[/green]", "reused": "[cyan]up to date[/cyan]", "failed": "[red]FAILED[/red]"}[ev.stage]
+                progress.console.print(f"  {ev.graph_id:<28} {mark}  {dt:6.1f} s"
+                                       + (f"  {ev.message[:200]}" if ev.message else ""))
+                progress.advance(task)
+
+        try:
+            manifest, art_dir = compile_graphs(mdl, state, cfg, backend=backend, out=out, flags=flags, dry_run=dry_run,
+                                               keep_going=keep_going, only=only, on_event=on_event)
+        except CompileFailed as e:
+            progress.stop()
+            err.print(f"[red]error:[/red] {e}\nmanifest: {e.manifest_path}")
+            raise typer.Exit(1)
+        except ValueError as e:
+            progress.stop()
+            err.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(2)
+
+    t = Table(title=f"{art_dir / 'manifest.json'}")
+    for c in ("graph", "status", "graph hash", "export s", "compile s", "bytes"):
+        t.add_column(c)
+    failed = 0
+    for g in manifest.graphs:
+        failed += g.status == "failed"
+        status = g.status + (" (reused)" if g.reused else "")
+        t.add_row(g.id, status, g.graph_hash[:16], f"{g.export_s:.1f}", f"{g.compile_s:.1f}", _fmt_bytes(g.bytes))
+    console.print(t)
+    if failed:
+        raise typer.Exit(1)

@@ -1,0 +1,121 @@
+"""`trnrt verify graph-equiv`: canonical graph hashes of presets against lock files or a git ref.
+
+Nothing heavy is imported at module level (this module is imported by `trnrt --help`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from trnrt.cli import app
+
+verify_app = typer.Typer(help="Verification tools.", no_args_is_help=True)
+app.add_typer(verify_app, name="verify")
+
+
+@verify_app.command("graph-equiv")
+def graph_equiv_cmd(
+    preset: Annotated[Optional[list[str]], typer.Option("--preset", help="Preset name or path (repeatable; default: every preset).")] = None,
+    structured_outputs: Annotated[bool, typer.Option("--structured-outputs", help="Enable the structured-output flag.")] = False,
+    penalties: Annotated[bool, typer.Option("--penalties", help="Enable the penalties flag.")] = False,
+    against: Annotated[Optional[Path], typer.Option("--against", help="Lock file to compare with (default: presets/PRESET.graphs.lock.json).")] = None,
+    base_ref: Annotated[Optional[str], typer.Option("--base-ref", help="Compare with the graphs at this git revision instead of a lock.")] = None,
+    dims: Annotated[str, typer.Option("--dims", help="tiny: the tiny model's config; real: GLM-5.3-Flash's dimensions (meta device).")] = "tiny",
+    only: Annotated[Optional[list[str]], typer.Option("--only", help="Check only this graph id (repeatable).")] = None,
+    update_lock: Annotated[bool, typer.Option("--update-lock", help="Write the current hashes into the lock file (prints what changed).")] = False,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON to this file.")] = None,
+) -> None:
+    """Exit 0 when every graph matches its reference, 1 with the first differing node otherwise.
+
+    With --structured-outputs / --penalties the base graphs must hash exactly as with the flags
+    off (the lock holds the flag-off hashes). Exit 2: usage error or a graph that fails to export.
+    """
+    from rich.console import Console
+
+    console = Console(width=200)
+    err = Console(stderr=True)
+    from trnrt.cli.compile import selected_flags
+
+    flags = selected_flags(structured_outputs, penalties)
+    if dims not in ("tiny", "real"):
+        err.print(f"[red]error:[/red] --dims must be tiny or real, got {dims!r}")
+        raise typer.Exit(2)
+    if against is not None and base_ref is not None:
+        err.print("[red]error:[/red] give either --against or --base-ref, not both")
+        raise typer.Exit(2)
+    if update_lock and base_ref is not None:
+        err.print("[red]error:[/red] --update-lock writes the current hashes; it takes no --base-ref")
+        raise typer.Exit(2)
+
+    from trnrt.config.presets import PresetError, list_presets, read_preset
+
+    names = list(preset or list_presets())
+    if against is not None and len(names) != 1:
+        err.print("[red]error:[/red] --against LOCK compares one preset: give exactly one --preset")
+        raise typer.Exit(2)
+    try:
+        presets = [read_preset(n) for n in names]
+    except PresetError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2)
+
+    from trnrt.compile.catalogue import UnknownVariantError
+    from trnrt.verify.graph_equiv import (
+        compare_results, compare_to_lock, fingerprints_at_ref, fingerprints_for, read_lock, render, write_lock,
+    )
+
+    reports = []
+    for p in presets:
+        def on_graph(gid: str, i: int, n: int, _p=p) -> None:
+            err.print(f"  {_p.name}: exporting {gid} ({i + 1}/{n})", highlight=False)
+
+        try:
+            result = fingerprints_for(str(p.path), flags, dims, only, on_graph=on_graph)
+        except UnknownVariantError as e:
+            err.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(2)
+        except Exception as e:  # an export failure of a graph is itself a regression
+            err.print(f"[red]error:[/red] exporting the graphs of {p.name} failed: {type(e).__name__}: {e}")
+            raise typer.Exit(2)
+        lock_path = against or p.lock_path
+        if update_lock:
+            old = read_lock(lock_path) if lock_path.is_file() else None
+            if flags:
+                # With a flag on, only the variant graphs are new: the base graphs must still
+                # hash as locked with the flags off, or the flag changed the default graphs.
+                if old is None:
+                    err.print(f"[red]error:[/red] lock the flag-off graphs first (--update-lock without flags)")
+                    raise typer.Exit(2)
+                base = {k: v for k, v in result["graphs"].items() if k.endswith("-base")}
+                rep = compare_to_lock({**result, "graphs": base}, old, p.name, dims, str(lock_path), complete=False)
+                if not rep.ok:
+                    render(rep, console)
+                    err.print("[red]error:[/red] with the flags on, base graphs differ from the flag-off lock: "
+                              "not written")
+                    raise typer.Exit(1)
+            changed = write_lock(lock_path, p.name, dims, result, old, replace=not only and not flags)
+            console.print(f"wrote {lock_path} ({dims}): " + ("; ".join(changed) if changed else "no change"))
+            continue
+        if base_ref is not None:
+            try:
+                ref = fingerprints_at_ref(base_ref, p.name, flags, dims, only)
+            except ValueError as e:
+                err.print(f"[red]error:[/red] {e}")
+                raise typer.Exit(2)
+            rep = compare_results(ref, result, p.name, dims, base_ref)
+        else:
+            if not lock_path.is_file():
+                err.print(f"[red]error:[/red] no lock file {lock_path} (create it with --update-lock)")
+                raise typer.Exit(2)
+            rep = compare_to_lock(result, read_lock(lock_path), p.name, dims, str(lock_path),
+                                  complete=not only, flags=flags)
+        render(rep, console)
+        reports.append(rep)
+    if json_out is not None:
+        json_out.write_text(json.dumps([r.to_json() for r in reports], indent=1) + "\n")
+    if not all(r.ok for r in reports):
+        raise typer.Exit(1)

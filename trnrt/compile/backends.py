@@ -1,0 +1,257 @@
+"""Compile backends behind one interface: cpu (AOTInductor), cuda (CUDA graphs), neuron, eager.
+
+Every backend turns an ExportedGraph into files under the artifact directory (`compile`) and
+turns a manifest entry back into a callable `fn(*step_inputs) -> (token_ids, token_logprobs,
+top_ids, top_logprobs)` that updates the engine's state tensors in place (`load`).
+
+Weights are never inside an artifact: the cpu backend compiles with
+`aot_inductor.package_constants_in_so=False` and binds the live model's tensors at load with
+`load_constants(..., user_managed=True)`, so every graph shares the one copy of the weights the
+engine loaded. `always_keep_tensor_constants=True` stops Inductor from inlining small tensors
+(1-D of <= 8 elements, 0-d) as literals in the generated code, which would bake those weights
+into the .so (measured: a 4-element bias came out frozen at its compile-time value).
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from trnrt.config.engine_config import EngineConfig
+from trnrt.engine.step import GraphSpec
+
+from .export import ExportedGraph, eager_callable, model_constants, state_tensors
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run on this machine (missing SDK or device); the message says why."""
+
+
+@dataclass
+class CompileResult:
+    status: str  # "ok" | "load-time"
+    files: list[str] = field(default_factory=list)  # relative to the artifact directory
+    artifact: str | None = None
+    seconds: float = 0.0
+    note: str = ""
+
+
+class Backend:
+    name = "?"
+    # Whether compile() produces files (False: the work happens at load, e.g. CUDA graph capture).
+    produces_artifacts = True
+
+    def available(self) -> tuple[bool, str]:
+        return True, ""
+
+    def check_available(self) -> None:
+        ok, why = self.available()
+        if not ok:
+            raise BackendUnavailable(why)
+
+    def compile(self, graph: ExportedGraph, art_dir: Path, options: dict) -> CompileResult:
+        raise NotImplementedError
+
+    def load(self, entry: dict, art_dir: Path, model: torch.nn.Module, state: Any,
+             engine_config: EngineConfig, spec: GraphSpec) -> Callable:
+        raise NotImplementedError
+
+
+class EagerBackend(Backend):
+    """No compilation: the same specs run eagerly (tests, debugging)."""
+
+    name = "eager"
+    produces_artifacts = False
+
+    def compile(self, graph, art_dir, options):
+        return CompileResult(status="load-time", note="eager: nothing to compile")
+
+    def load(self, entry, art_dir, model, state, engine_config, spec):
+        return eager_callable(model, state, engine_config, spec)
+
+
+class CpuBackend(Backend):
+    """torch.export + AOTInductor, one .pt2 per graph, weights bound from the live model at load."""
+
+    name = "cpu"
+
+    BASE_OPTIONS = {
+        "aot_inductor.package_constants_in_so": False,
+        "always_keep_tensor_constants": True,
+    }
+
+    def compile(self, graph: ExportedGraph, art_dir: Path, options: dict) -> CompileResult:
+        from torch._inductor import aoti_compile_and_package
+
+        gdir = art_dir / "graphs"
+        gdir.mkdir(parents=True, exist_ok=True)
+        gid = graph.spec.graph_id
+        pkg = gdir / f"{gid}.pt2"
+        files = [f"graphs/{gid}.pt2"]
+        t0 = time.perf_counter()
+        aoti_compile_and_package(graph.program, package_path=str(pkg),
+                                 inductor_configs={**self.BASE_OPTIONS, **dict(options.get("inductor", {}))})
+        # Lifted tensor constants (tensors the step creates from Python data at trace time) are
+        # part of the graph, not the model: keep them beside the package for load().
+        # (ep.constants also holds the model's non-persistent buffers: those come from the model.)
+        from torch.export.graph_signature import InputKind
+
+        lifted = [s.target for s in graph.program.graph_signature.input_specs if s.kind == InputKind.CONSTANT_TENSOR]
+        consts = {k: graph.program.constants[k].detach().contiguous().clone() for k in lifted
+                  if isinstance(graph.program.constants.get(k), torch.Tensor)}
+        if consts:
+            torch.save(consts, gdir / f"{gid}.constants.pt")
+            files.append(f"graphs/{gid}.constants.pt")
+        return CompileResult(status="ok", files=files, artifact=files[0], seconds=time.perf_counter() - t0)
+
+    def load(self, entry, art_dir, model, state, engine_config, spec):
+        from torch._inductor import aoti_load_package
+
+        runner = aoti_load_package(str(art_dir / entry["artifact"]))
+        consts = model_constants(model)
+        side = art_dir / "graphs" / f"{entry['id']}.constants.pt"
+        if side.exists():
+            consts.update(torch.load(side, weights_only=True))
+        fqns = runner.get_constant_fqns()
+        missing = [f for f in fqns if f not in consts]
+        if missing:
+            raise ValueError(f"{entry['id']}: the model has no tensor {missing[0]!r} that the compiled graph reads "
+                             f"({len(missing)} missing): the artifact was built from another model")
+        runner.load_constants({f: consts[f] for f in fqns}, check_full_update=True, user_managed=True)
+        st = [t for _, t in state_tensors(state)]
+
+        def run(*inputs: torch.Tensor):
+            return tuple(runner(*inputs, *st))
+
+        run.runner = runner  # keeps the loaded .so alive with the callable
+        return run
+
+
+class CudaBackend(Backend):
+    """CUDA-graph capture per decode bucket at load; prefill graphs run eagerly.
+
+    Why not AOTInductor: on the H200 image it compiled but `aoti_load_package` segfaulted
+    (compile_and_graph_equiv.md §3.3), and capture costs milliseconds per bucket. The captured
+    graph reads its inputs from static buffers and the state tensors at their current addresses,
+    so the engine must keep the same state tensors for the life of the callables.
+    """
+
+    name = "cuda"
+    produces_artifacts = False
+
+    def available(self):
+        if not torch.cuda.is_available():
+            return False, "the cuda backend needs a CUDA device; torch.cuda.is_available() is False"
+        return True, ""
+
+    def compile(self, graph, art_dir, options):
+        return CompileResult(status="load-time", note="cuda: decode graphs are captured at load")
+
+    def load(self, entry, art_dir, model, state, engine_config, spec):
+        self.check_available()
+        eager = eager_callable(model, state, engine_config, spec)
+        if spec.phase != "decode":
+            return eager
+        from .export import spec_inputs
+
+        dev = next(iter(state_tensors(state)))[1].device
+        static_in = [t.to(dev) for t in spec_inputs(spec, engine_config, int(model.config.vocab_size), device=dev)]
+        # Warm up on a side stream (allocator and lazy init), as torch.cuda.graphs recommends. The
+        # example inputs are padding rows: they write only the scratch block 0 and slot 0.
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                eager(*static_in)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = eager(*static_in)
+
+        def run(*inputs: torch.Tensor):
+            for dst, src in zip(static_in, inputs):
+                dst.copy_(src, non_blocking=True)
+            graph.replay()
+            return tuple(o.clone() for o in static_out)
+
+        run.graph = graph
+        return run
+
+
+class NeuronBackend(Backend):
+    """torch-neuronx tracing, one NEFF per graph, weights kept out of the NEFF.
+
+    The Neuron SDK is not on PyPI (the PyPI packages are placeholders that raise ImportError), so
+    it is imported only here, and `available()` says what is missing. This path has not been run
+    on a Trainium host yet.
+    """
+
+    name = "neuron"
+
+    def available(self):
+        try:
+            importlib.import_module("torch_neuronx")
+        except Exception as e:  # the PyPI placeholder raises ImportError("WRONG PACKAGE ...")
+            return False, (f"the neuron backend needs the AWS Neuron SDK (torch-neuronx, neuronx-cc) from the "
+                           f"Neuron repository or a Neuron DLAMI; torch_neuronx is not importable here "
+                           f"({type(e).__name__}: {str(e)[:120]})")
+        if shutil.which("neuronx-cc") is None:
+            return False, "the neuron backend needs the neuronx-cc compiler on PATH (AWS Neuron SDK)"
+        return True, ""
+
+    def compile(self, graph: ExportedGraph, art_dir: Path, options: dict) -> CompileResult:
+        self.check_available()
+        import torch_neuronx  # noqa: F401  (SDK only)
+
+        gdir = art_dir / "graphs"
+        gdir.mkdir(parents=True, exist_ok=True)
+        gid = graph.spec.graph_id
+        # The unlifted program applies the state updates to its state inputs itself (copy_ at the
+        # end of the graph). Whether torch_neuronx keeps those updates on the device tensors
+        # (or needs input_output_aliases) has not been checked on a Neuron host yet.
+        module = graph.program.module()
+        example = tuple(_example_from_meta(m) for m in graph.inputs)
+        t0 = time.perf_counter()
+        traced = torch_neuronx.trace(
+            module, example, compiler_workdir=str(gdir / f"{gid}.work"),
+            compiler_args=" ".join(options.get("args", [])), inline_weights_to_neff=False,
+        )
+        path = gdir / f"{gid}.neuron.pt"
+        torch.jit.save(traced, str(path))
+        return CompileResult(status="ok", files=[f"graphs/{gid}.neuron.pt"], artifact=f"graphs/{gid}.neuron.pt",
+                             seconds=time.perf_counter() - t0)
+
+    def load(self, entry, art_dir, model, state, engine_config, spec):
+        self.check_available()
+        import torch_neuronx  # noqa: F401
+
+        traced = torch.jit.load(str(art_dir / entry["artifact"]))
+        st = [t for _, t in state_tensors(state)]
+
+        def run(*inputs):
+            out = traced(*inputs, *st)
+            return tuple(out)[-4:]
+
+        return run
+
+
+def _example_from_meta(m: dict) -> torch.Tensor:
+    return torch.zeros(m["shape"], dtype=getattr(torch, m["dtype"]))
+
+
+BACKENDS: dict[str, type[Backend]] = {
+    "cpu": CpuBackend, "cuda": CudaBackend, "neuron": NeuronBackend, "eager": EagerBackend,
+}
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return BACKENDS[name]()
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r} (known: {', '.join(BACKENDS)})") from None

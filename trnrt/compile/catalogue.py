@@ -1,0 +1,126 @@
+"""The graph catalogue: which static-shape graphs a preset (and a set of feature flags) needs.
+
+`expand(config, flags)` is the single source of truth for the spec list: `trnrt compile` compiles
+exactly these, `trnrt verify graph-equiv` hashes exactly these, and the ModelRunner runs exactly
+these. It is pure and deterministic (it computes nothing with torch; GraphSpec's module imports it).
+
+Variants: a feature flag that needs extra device inputs (structured outputs, penalties) adds
+*variant* graphs; it never changes the base graphs. Every enabled flag set compiles one superset
+variant per base spec of the phases the flags touch (named by the sorted flags joined with "+"),
+and the runner feeds neutral inputs to rows that do not use a feature. So #graphs = #base specs +
+#base specs of the touched phases, not 2^flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from trnrt.config.engine_config import EngineConfig
+from trnrt.engine.step import GraphSpec
+
+BASE_VARIANT = "base"
+PHASES = ("decode", "prefill")  # "verify" and "draft" arrive with MTP
+_PHASE_ORDER = {p: i for i, p in enumerate(("decode", "prefill", "verify", "draft"))}
+
+
+class UnknownVariantError(ValueError):
+    """A flag (or flag set) has no variant graph definition yet."""
+
+
+@dataclass(frozen=True)
+class VariantDef:
+    """How a flag set changes the step graph.
+
+    name: the variant name, "+".join(sorted(flags)) (e.g. "penalties+structured_outputs").
+    phases: the phases that get a variant graph.
+    make_step(model, state, engine_config) -> nn.Module: the variant step function; it takes the
+        base STEP_INPUT_NAMES inputs followed by extra_input_names.
+    example_extra_inputs(spec, engine_config, vocab_size, device) -> tuple of tensors: neutral
+        values of the extra inputs for `spec` (the shapes the graph is compiled for).
+    extra_input_names: names of the extra inputs, in order (recorded in the manifest).
+    """
+
+    name: str
+    phases: tuple[str, ...]
+    make_step: Callable
+    example_extra_inputs: Callable
+    extra_input_names: tuple[str, ...] = ()
+    flags: frozenset[str] = field(default_factory=frozenset)
+
+
+# Flag sets -> definitions. Empty until the structured-output / penalties issue registers theirs.
+_VARIANTS: dict[frozenset[str], VariantDef] = {}
+# Flags the command line accepts; a known flag without a registered variant is reported as such.
+KNOWN_FLAGS = ("structured_outputs", "penalties")
+
+
+def variant_name(flags: Iterable[str]) -> str:
+    return "+".join(sorted(set(flags))) or BASE_VARIANT
+
+
+def register_variant(flags: Iterable[str], phases: Iterable[str], make_step: Callable,
+                     example_extra_inputs: Callable, extra_input_names: Iterable[str] = ()) -> VariantDef:
+    """Define the variant graph of a flag set (replaces an earlier definition of the same set)."""
+    fs = frozenset(flags)
+    if not fs:
+        raise ValueError("a variant needs at least one flag")
+    bad = [p for p in phases if p not in _PHASE_ORDER]
+    if bad:
+        raise ValueError(f"unknown phase(s) {bad}")
+    vd = VariantDef(name=variant_name(fs), phases=tuple(phases), make_step=make_step,
+                    example_extra_inputs=example_extra_inputs, extra_input_names=tuple(extra_input_names), flags=fs)
+    _VARIANTS[fs] = vd
+    return vd
+
+
+def unregister_variant(flags: Iterable[str]) -> None:
+    _VARIANTS.pop(frozenset(flags), None)
+
+
+def get_variant(name_or_flags) -> VariantDef:
+    """The definition of a variant, by name ("a+b") or flag set."""
+    fs = frozenset(name_or_flags.split("+")) if isinstance(name_or_flags, str) else frozenset(name_or_flags)
+    try:
+        return _VARIANTS[fs]
+    except KeyError:
+        raise UnknownVariantError(no_variant_message(fs)) from None
+
+
+def no_variant_message(flags: Iterable[str]) -> str:
+    opts = ", ".join("--" + f.replace("_", "-") for f in sorted(flags))
+    return (f"no variant graph is defined for {opts} yet: the variant graphs arrive with the feature's own "
+            f"issue; compile without the flag")
+
+
+def base_specs(config: EngineConfig) -> list:
+    """decode: batch bucket x 1 token; prefill: 1 sequence x token bucket."""
+    specs = [GraphSpec("decode", b, 1, BASE_VARIANT) for b in config.decode_batch_buckets]
+    specs += [GraphSpec("prefill", 1, t, BASE_VARIANT) for t in config.prefill_token_buckets]
+    return specs
+
+
+def spec_sort_key(spec) -> tuple:
+    return (_PHASE_ORDER.get(spec.phase, 99), spec.batch, spec.tokens, spec.variant != BASE_VARIANT, spec.variant)
+
+
+def expand(config: EngineConfig, flags: Iterable[str] | None = None) -> list:
+    """The sorted GraphSpec list of `config` with `flags` enabled (default: config.variants).
+
+    The base specs come out the same, in the same relative order, whatever the flags.
+    Raises UnknownVariantError when the flag set has no registered variant.
+    """
+    fs = frozenset(config.variants if flags is None else flags)
+    specs = base_specs(config)
+    if fs:
+        vd = get_variant(fs)
+        specs += [GraphSpec(s.phase, s.batch, s.tokens, vd.name) for s in list(specs) if s.phase in vd.phases]
+    return sorted(specs, key=spec_sort_key)
+
+
+def spec_from_id(graph_id: str):
+    """Inverse of GraphSpec.graph_id ("decode-b8-t1-base")."""
+    phase, b, t, variant = graph_id.split("-", 3)
+    if not (b.startswith("b") and t.startswith("t")):
+        raise ValueError(f"not a graph id: {graph_id!r}")
+    return GraphSpec(phase, int(b[1:]), int(t[1:]), variant)

@@ -1,0 +1,1 @@
+"""Verification tools: `trnrt verify graph-equiv` (canonical graph identity against lock files)."""
