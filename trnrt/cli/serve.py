@@ -36,6 +36,8 @@ class ServeArgs:
     default_chat_template_kwargs: dict = field(default_factory=dict)
     scripted: bool = False
     scripted_step_delay_s: float = 0.0
+    compiled: str | None = None
+    backend: str | None = None
 
     @property
     def max_concurrent_requests(self) -> int:
@@ -89,9 +91,17 @@ def build_engine(args: ServeArgs):
         typer.echo("trnrt serve: the engine (trnrt.engine.engine) is not available in this build", err=True)
         raise typer.Exit(1)
 
+    loader = None
+    if args.compiled:
+        from trnrt.compile import load_compiled
+
+        def loader(model, state, engine_config):
+            return load_compiled(args.compiled, model, state, engine_config, backend=args.backend)
+
     engine = Engine.from_model_dir(model_dir, preset=args.preset, max_running_requests=args.max_running_requests,
                                    context_length=args.context_length,
-                                   served_model_name=args.served_model_name)
+                                   served_model_name=args.served_model_name,
+                                   compiled_loader=loader, compiled_backend=args.backend or "cpu")
     return engine, tokenizer_factory
 
 
@@ -125,6 +135,8 @@ def serve(
     log_level: Annotated[str, typer.Option("--log-level", help="debug | info | warning | error.")] = "info",
     scripted: Annotated[bool, typer.Option("--scripted", hidden=True, help="Serve a scripted engine (tests).")] = False,
     scripted_step_delay: Annotated[float, typer.Option("--scripted-step-delay", hidden=True, help="Seconds per scripted decode step.")] = 0.0,
+    compiled: Annotated[Optional[str], typer.Option("--compiled", help="Run the graphs `trnrt compile --out DIR` built for --preset (refused if built from another model, preset or graph).", metavar="DIR")] = None,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="Backend of the --compiled artifacts (cpu | cuda | neuron; default: the one found).")] = None,
 ) -> None:
     """Serve the OpenAI-compatible API (GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /v1/stats)."""
     import logging
@@ -145,12 +157,16 @@ def serve(
         tool_call_parser=_parser_choice(tool_call_parser, ("glm47", "glm45"), "--tool-call-parser"),
         reasoning_parser=_parser_choice(reasoning_parser, ("glm45",), "--reasoning-parser"),
         threads=threads, preset=preset, drain_timeout_s=drain_timeout, default_chat_template_kwargs=kwargs,
-        scripted=scripted, scripted_step_delay_s=scripted_step_delay,
+        scripted=scripted, scripted_step_delay_s=scripted_step_delay, compiled=compiled, backend=backend,
     )
     from trnrt.serve.app import ServeSettings, create_app
     from trnrt.serve.server import run
 
-    engine, tokenizer_factory = build_engine(args)
+    try:
+        engine, tokenizer_factory = build_engine(args)
+    except ValueError as e:  # a bad checkpoint, preset or compiled artifact: say which, exit 2
+        typer.secho(f"error: {e}", err=True, fg="red")
+        raise typer.Exit(2)
     settings = ServeSettings(
         served_model_name=args.served_model_name, api_key=args.api_key, context_length=args.context_length,
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,

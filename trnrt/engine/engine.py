@@ -100,7 +100,8 @@ class Engine:
         scheduler_config: SchedulerConfig | None = None,
         served_model_name: str | None = None,
         device: str = "cpu",
-        compiled: dict | None = None,
+        compiled_loader=None,
+        compiled_backend: str = "cpu",
         preset: str | None = None,
         max_running_requests: int | None = None,
         context_length: int | None = None,
@@ -111,6 +112,12 @@ class Engine:
         `preset` (a presets/*.toml name or path) gives the EngineConfig when `engine_config` is not
         passed. `max_running_requests` (SGLang's flag) sizes the slot pool and max_num_seqs;
         `context_length` caps max_model_len.
+
+        compiled_loader(model, state, engine_config) -> {GraphSpec: callable} runs compiled graphs
+        (the CLI passes trnrt.compile.load_compiled; the engine layer never imports compile). The
+        cache sizes and max_model_len are graph inputs then, so they stay the preset's:
+        max_running_requests only caps max_num_seqs at the preset's slots, and context_length only
+        caps the scheduler's max_model_len.
         """
         import torch
         from transformers import AutoTokenizer
@@ -125,9 +132,14 @@ class Engine:
 
             engine_config = load_preset(preset or "default")
         ecfg = engine_config
-        if context_length is not None:
+        if context_length is not None and compiled_loader is None:
             ecfg = ecfg.replace(max_model_len=context_length)
-        if max_running_requests is not None:
+        if max_running_requests is not None and compiled_loader is not None:
+            if max_running_requests > ecfg.num_slots - 1:
+                log.warning("compiled graphs hold %d slots: running at most %d requests, not %d",
+                            ecfg.num_slots - 1, ecfg.num_slots - 1, max_running_requests)
+                max_running_requests = ecfg.num_slots - 1
+        elif max_running_requests is not None:
             blocks_per_seq = ecfg.max_blocks_per_seq
             ecfg = ecfg.replace(
                 num_slots=max_running_requests + 1,
@@ -140,6 +152,8 @@ class Engine:
         model = load_model(path, dtype=dtype, device=device)
         mcfg = model.config
         max_model_len = min(ecfg.max_model_len, ecfg.max_blocks_per_seq * ecfg.block_size)
+        if context_length is not None:
+            max_model_len = min(max_model_len, context_length)
         scfg = scheduler_config or SchedulerConfig(
             max_num_seqs=max_running_requests or min(ecfg.max_decode_batch, ecfg.num_slots - 1),
             max_num_batched_tokens=max(ecfg.max_prefill_tokens, ecfg.max_decode_batch),
@@ -149,6 +163,7 @@ class Engine:
         if scfg.max_num_seqs > ecfg.num_slots - 1:
             raise ValueError(f"max_num_seqs {scfg.max_num_seqs} exceeds the {ecfg.num_slots - 1} usable slots")
         state = ModelState.allocate(mcfg, ecfg.num_blocks, ecfg.block_size, ecfg.num_slots, dtype, device)
+        compiled = compiled_loader(model, state, ecfg) if compiled_loader is not None else None
         runner = ModelRunner(model, state, ecfg, mcfg.vocab_size, compiled=compiled)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         if served_model_name is None:
@@ -165,7 +180,7 @@ class Engine:
             max_model_len=scfg.max_model_len,
             eos_token_ids=read_eos_token_ids(path, tokenizer),
             preset=ecfg.preset,
-            backend="compiled" if compiled else "eager",
+            backend=compiled_backend if compiled else "eager",
             compiled=bool(compiled),
         )
         return cls(runner, tokenizer, info, ecfg, scfg, start=start)
