@@ -196,16 +196,29 @@ def _chat_logprobs(ti: TokenizerInfo, lps: list[TokenLogprob], n_top: int) -> li
     return out
 
 
+def _begin(st: ServeState, req, parse):
+    """The common start of a POST: admission, body parsing, model check, this thread's tokenizer."""
+    st.check_accepting()
+    creq = parse(read_json(req, st.settings.max_request_bytes))
+    st.check_model(creq.model)
+    return creq, st.tokinfo()
+
+
+def _finish_reason(o: RequestOutput) -> tuple[str, object]:
+    """OpenAI finish_reason and SGLang's matched_stop for a finished output."""
+    fr = o.finish_reason
+    if fr is not None and fr.type == "length":
+        return "length", None
+    return "stop", (fr.matched if fr is not None else None)
+
+
 class ChatCompletions:
     def __init__(self, state: ServeState):
         self.state = state
 
     def on_post(self, req, resp) -> None:
         st = self.state
-        st.check_accepting()
-        creq = parse_chat(read_json(req, st.settings.max_request_bytes))
-        st.check_model(creq.model)
-        ti = st.tokinfo()
+        creq, ti = _begin(st, req, parse_chat)
         # Server defaults (--default-chat-template-kwargs) apply under the request's kwargs, and
         # the effective enable_thinking decides whether the reasoning parser runs.
         creq.template_kwargs = {**st.settings.default_chat_template_kwargs, **creq.template_kwargs}
@@ -308,12 +321,10 @@ class _ChatRun:
                     self.reasoning_tokens += 1
 
     def _finish_reason(self, o: RequestOutput) -> tuple[str, object]:
-        fr = o.finish_reason
-        if fr is not None and fr.type == "length":
-            return "length", None
-        if self.out.tools is not None and self.out.tools.has_complete_calls:
+        reason, matched = _finish_reason(o)
+        if reason == "stop" and self.out.tools is not None and self.out.tools.has_complete_calls:
             return "tool_calls", None
-        return "stop", (fr.matched if fr is not None else None)
+        return reason, matched
 
     def _usage(self) -> dict:
         return _usage(self.n_prompt, self.num_output, self.reasoning_tokens if self.count_reasoning else 0,
@@ -442,10 +453,7 @@ class Completions:
 
     def on_post(self, req, resp) -> None:
         st = self.state
-        st.check_accepting()
-        creq = parse_completion(read_json(req, st.settings.max_request_bytes))
-        st.check_model(creq.model)
-        ti = st.tokinfo()
+        creq, ti = _begin(st, req, parse_completion)
         vocab = st.engine.model_info.vocab_size
         prompt_ids: list[list[int]] = []
         echo_texts: list[str] = []
@@ -526,13 +534,6 @@ class _CompletionRun:
                 self.st.engine.abort(g.request_id)
         self.st.release()
 
-    @staticmethod
-    def _finish(o: RequestOutput) -> tuple[str, object]:
-        fr = o.finish_reason
-        if fr is not None and fr.type == "length":
-            return "length", None
-        return "stop", (fr.matched if fr is not None else None)
-
     def collect(self, client_gone) -> dict:
         n = len(self.streams)
         texts = [self.echo_texts[i] if self.creq.echo else "" for i in range(n)]
@@ -552,7 +553,7 @@ class _CompletionRun:
             o = last[i]
             if o.finish_reason is not None and o.finish_reason.type == "abort":
                 raise _abort_error(o, self.st)
-            finish, matched = self._finish(o)
+            finish, matched = _finish_reason(o)
             logprobs = None
             if self.creq.logprobs is not None:
                 logprobs, _ = _completion_logprobs(self.ti, lps[i], 0)
@@ -583,7 +584,7 @@ class _CompletionRun:
                     lp, offsets[i] = _completion_logprobs(self.ti, o.new_logprobs or [], offsets[i])
                 text = pending_echo[i] + o.new_text
                 pending_echo[i] = ""
-                finish, matched = self._finish(o) if o.finished else (None, None)
+                finish, matched = _finish_reason(o) if o.finished else (None, None)
                 if text or o.finished or (lp and lp["tokens"]):
                     yield self._chunk(i, text, lp, finish, matched)
             if self.creq.include_usage:
