@@ -1,8 +1,8 @@
 """Shared fixtures of the compile tests: one tiny checkpoint and one AOTInductor compile per session.
 
 AOTInductor takes ~30-60 s per graph of the tiny model on a 2-core CPU (the first one in a
-process longer), so by default the session compiles a fast subset of `batch8` (its decode graph
-and its smallest prefill graph) with `trnrt compile`, and every compile test shares it. Set
+process longer), so by default the session compiles a fast subset of `batch8` (its two decode graphs,
+full and greedy sampler, and its smallest prefill graph) with `trnrt compile`, and every compile test shares it. Set
 TRNRT_TEST_COMPILE_ALL=1 to compile every graph of `default` and `batch8` and check them all.
 """
 
@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # scenario helper
 
 COMPILE_ALL = os.environ.get("TRNRT_TEST_COMPILE_ALL") == "1"
-FAST_SUBSET = {"batch8": ["decode-b8-t1-base", "prefill-b1-t32-base"]}
+FAST_SUBSET = {"batch8": ["decode-b8-t1-base", "decode-b8-t1-base-greedy", "prefill-b1-t32-base"]}
 
 
 @pytest.fixture(scope="session")

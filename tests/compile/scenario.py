@@ -23,7 +23,7 @@ def run(call, cfg, specs, vocab: int = VOCAB) -> list[tuple]:
     MB = cfg.max_blocks_per_seq
     prefill = sorted(s.tokens for s in specs if s.phase == "prefill")
     decode = sorted(s.batch for s in specs if s.phase == "decode")
-    spec_of = {(s.phase, s.batch if s.phase == "decode" else s.tokens): s for s in specs}
+    spec_of = {(s.phase, s.batch if s.phase == "decode" else s.tokens, s.sampling): s for s in specs}
     g = torch.Generator().manual_seed(1234)
     live = max([b - 1 if b > 1 else 1 for b in decode] + [1])
     outs: list[tuple] = []
@@ -34,13 +34,13 @@ def run(call, cfg, specs, vocab: int = VOCAB) -> list[tuple]:
         row[:] = torch.arange(1 + (slot - 1) * MB, 1 + slot * MB)
         return row
 
-    def sampling(rows: list[int], B: int):
+    def sampling(rows: list[int], B: int, greedy: bool = False):
         temp = torch.zeros(B)
         top_p = torch.ones(B)
         top_k = torch.full((B,), vocab, dtype=torch.int64)
         seeds = torch.zeros(B, dtype=torch.int64)
         for i, r in enumerate(rows):
-            if r % 2:  # odd sequences sample
+            if r % 2 and not greedy:  # odd sequences sample (all greedy for the greedy graphs)
                 temp[i], top_p[i], top_k[i], seeds[i] = 0.9, 0.9, 50, 1000 + r
         return temp, top_p, top_k, torch.zeros(B), seeds
 
@@ -66,11 +66,12 @@ def run(call, cfg, specs, vocab: int = VOCAB) -> list[tuple]:
             temp, top_p, top_k, min_p, seeds = sampling([n], 1)
             inputs = (ids, torch.tensor([pos]), torch.tensor([chunk]), block_row(slot)[None], torch.tensor([slot]),
                       temp, top_p, top_k, min_p, seeds, torch.tensor([pos + chunk]))
-            o = call(spec_of[("prefill", t)], inputs)
+            o = call(spec_of[("prefill", t, "full")], inputs)
             outs.append((o, 1))
             pos += chunk
         seqs.append({"slot": slot, "pos": length, "last": int(o[0][0]), "row": n})
-    for b in decode:
+    decode_runs = sorted({(s.batch, s.sampling) for s in specs if s.phase == "decode"})
+    for b, kind in decode_runs:
         rows = seqs[: (b - 1 if b > 1 else 1)]
         for _ in range(3):
             B = b
@@ -81,9 +82,9 @@ def run(call, cfg, specs, vocab: int = VOCAB) -> list[tuple]:
             slots = torch.zeros(B, dtype=torch.int64)
             for i, s in enumerate(rows):
                 ids[i, 0], start[i], num_new[i], bt[i], slots[i] = s["last"], s["pos"], 1, block_row(s["slot"]), s["slot"]
-            temp, top_p, top_k, min_p, seeds = sampling([s["row"] for s in rows], B)
+            temp, top_p, top_k, min_p, seeds = sampling([s["row"] for s in rows], B, greedy=kind == "greedy")
             inputs = (ids, start, num_new, bt, slots, temp, top_p, top_k, min_p, seeds, start + 1)
-            o = call(spec_of[("decode", b)], inputs)
+            o = call(spec_of[("decode", b, kind)], inputs)
             outs.append((o, len(rows)))
             for i, s in enumerate(rows):
                 s["pos"] += 1

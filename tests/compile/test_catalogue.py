@@ -12,10 +12,11 @@ from trnrt.config.presets import list_presets, load_preset
 # Pinned spec lists: a change here is a change of what every runner compiles and runs.
 PINNED = {
     "default": [
-        "decode-b1-t1-base", "decode-b2-t1-base", "decode-b4-t1-base", "decode-b8-t1-base",
+        "decode-b1-t1-base", "decode-b1-t1-base-greedy", "decode-b2-t1-base", "decode-b2-t1-base-greedy",
+        "decode-b4-t1-base", "decode-b4-t1-base-greedy", "decode-b8-t1-base", "decode-b8-t1-base-greedy",
         "prefill-b1-t16-base", "prefill-b1-t64-base",
     ],
-    "batch8": ["decode-b8-t1-base", "prefill-b1-t32-base", "prefill-b1-t128-base"],
+    "batch8": ["decode-b8-t1-base", "decode-b8-t1-base-greedy", "prefill-b1-t32-base", "prefill-b1-t128-base"],
 }
 
 
@@ -34,6 +35,16 @@ def test_expand_is_deterministic_and_sorted():
     assert a == b and a is not b
     assert [s.graph_id for s in a] == PINNED["default"]
     assert all(spec_from_id(s.graph_id) == s for s in a)
+
+
+def test_graph_ids_round_trip_and_bad_ids_are_refused():
+    for s in expand(load_preset("default")):
+        assert spec_from_id(s.graph_id) == s
+    assert spec_from_id("decode-b8-t1-base-greedy").sampling == "greedy"
+    assert spec_from_id("decode-b8-t1-base").sampling == "full"
+    for bad in ("decode-b8-t1", "decode-b8-t1-base-full", "decode-b8-t1-base-nucleus", "decode-8-t1-base"):
+        with pytest.raises(ValueError):
+            spec_from_id(bad)
 
 
 def test_known_flag_without_variant_is_refused():
@@ -71,13 +82,13 @@ def test_flags_add_variants_and_never_change_the_base(test_variant):
     with_flag = expand(cfg, ["test_bias"])
     assert [s for s in with_flag if s.variant == "base"] == base
     variants = [s.graph_id for s in with_flag if s.variant != "base"]
-    assert variants == ["decode-b1-t1-test_bias", "decode-b2-t1-test_bias", "decode-b4-t1-test_bias",
-                        "decode-b8-t1-test_bias"]
+    assert variants == [f"decode-b{b}-t1-test_bias{g}" for b in (1, 2, 4, 8) for g in ("", "-greedy")]
     # flags stored on the config are the default
     assert expand(cfg.replace(variants=("test_bias",))) == with_flag
     # sorted: each variant right after its base spec
     ids = [s.graph_id for s in with_flag]
     assert ids.index("decode-b1-t1-test_bias") == ids.index("decode-b1-t1-base") + 1
+    assert ids.index("decode-b1-t1-test_bias-greedy") == ids.index("decode-b1-t1-base-greedy") + 1
 
 
 def test_flag_sets_need_their_own_definition(test_variant):

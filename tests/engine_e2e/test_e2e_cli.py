@@ -207,7 +207,8 @@ def test_bench_runs_compiled_graphs_from_the_loader():
     r = run_bench(batch=2, input_len=8, output_len=4, engine_config=cfg, compiled_loader=loader)
     assert set(r) == KEYS
     # 2 prompts prefilled 3 times (warm-up, time to first token, decode run); 2 + 3 decode steps
-    assert calls == {"prefill-b1-t16-base": 6, "decode-b2-t1-base": 5}, calls
+    # the bench decodes greedily: every decode step runs the greedy-sampler graph
+    assert calls == {"prefill-b1-t16-base": 6, "decode-b2-t1-base-greedy": 5}, calls
 
 
 def test_bench_compiled_missing_dir_exit_2(tmp_path):

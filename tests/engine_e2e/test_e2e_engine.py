@@ -396,3 +396,27 @@ def test_llm_generate_invalid_prompt_leaves_no_orphan_requests(small_engine):
         for rid in list(engine._streams):
             engine.abort(rid)
         assert_clean(engine)
+
+
+def test_all_greedy_batches_run_the_greedy_graph_and_mixed_ones_the_full_sampler(small_engine, tokenizer):
+    """The runner picks the greedy-sampler decode graph only when every row is greedy; a greedy
+    request gives the same tokens either way."""
+    engine = small_engine
+    ids = tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    calls = engine.runner.num_graph_calls
+    before = dict(calls)
+    alone = greedy(engine, ids, 8)
+    delta = {k: v - before.get(k, 0) for k, v in calls.items() if v != before.get(k, 0)}
+    assert any(k.startswith("decode-") and k.endswith("-greedy") for k in delta), delta
+    assert not any(k.startswith("decode-") and not k.endswith("-greedy") for k in delta), delta
+
+    before = dict(calls)
+    col = Collector()
+    for stream in submit_together(engine, [(ids, dict(max_new_tokens=8, temperature=0.0, seed=1, ignore_eos=True)),
+                                           (ids, dict(max_new_tokens=8, temperature=0.9, seed=7, ignore_eos=True))]):
+        col.add(stream)
+    mixed = col.wait_all()
+    delta = {k: v - before.get(k, 0) for k, v in calls.items() if v != before.get(k, 0)}
+    assert any(k.startswith("decode-") and not k.endswith("-greedy") for k in delta), delta
+    assert mixed[0].output_ids == alone
+    assert_clean(engine)

@@ -67,3 +67,14 @@ def test_top_k_top_p_min_p_restrict_support():
     assert set(ids.tolist()) == {0, 1}
     ids, *_ = sample(logits, _st(2000, top_p=0.01, seeds=seeds), 1)  # always keeps the best token
     assert set(ids.tolist()) == {0}
+
+
+def test_greedy_sampler_equals_full_sampler_on_greedy_rows():
+    from trnrt.engine.sampler import sample_greedy
+
+    torch.manual_seed(3)
+    logits = torch.randn(6, 500)
+    full = sample(logits, _st(6, temperature=0.0, top_p=0.5, top_k=3), 5)
+    greedy = sample_greedy(logits, 5)
+    for a, b in zip(full, greedy):
+        assert torch.equal(a, b)

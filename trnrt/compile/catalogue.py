@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from trnrt.config.engine_config import EngineConfig
-from trnrt.engine.step import GraphSpec
+from trnrt.engine.step import SAMPLERS, GraphSpec
 
 BASE_VARIANT = "base"
 PHASES = ("decode", "prefill")  # "verify" and "draft" arrive with MTP
@@ -94,14 +94,18 @@ def no_variant_message(flags: Iterable[str]) -> str:
 
 
 def base_specs(config: EngineConfig) -> list:
-    """decode: batch bucket x 1 token; prefill: 1 sequence x token bucket."""
-    specs = [GraphSpec("decode", b, 1, BASE_VARIANT) for b in config.decode_batch_buckets]
+    """decode: batch bucket x 1 token, once with the full sampler and once greedy-only (what an
+    all-greedy batch runs: no vocabulary sort); prefill: 1 sequence x token bucket, full sampler
+    (it samples one token per prompt, so a greedy twin would not pay for its compile time)."""
+    specs = [GraphSpec("decode", b, 1, BASE_VARIANT, sampling)
+             for b in config.decode_batch_buckets for sampling in SAMPLERS]
     specs += [GraphSpec("prefill", 1, t, BASE_VARIANT) for t in config.prefill_token_buckets]
     return specs
 
 
 def spec_sort_key(spec) -> tuple:
-    return (_PHASE_ORDER.get(spec.phase, 99), spec.batch, spec.tokens, spec.variant != BASE_VARIANT, spec.variant)
+    return (_PHASE_ORDER.get(spec.phase, 99), spec.batch, spec.tokens, SAMPLERS.index(spec.sampling),
+            spec.variant != BASE_VARIANT, spec.variant)
 
 
 def expand(config: EngineConfig, flags: Iterable[str] | None = None) -> list:
@@ -114,13 +118,16 @@ def expand(config: EngineConfig, flags: Iterable[str] | None = None) -> list:
     specs = base_specs(config)
     if fs:
         vd = get_variant(fs)
-        specs += [GraphSpec(s.phase, s.batch, s.tokens, vd.name) for s in list(specs) if s.phase in vd.phases]
+        specs += [GraphSpec(s.phase, s.batch, s.tokens, vd.name, s.sampling) for s in list(specs) if s.phase in vd.phases]
     return sorted(specs, key=spec_sort_key)
 
 
 def spec_from_id(graph_id: str):
-    """Inverse of GraphSpec.graph_id ("decode-b8-t1-base")."""
-    phase, b, t, variant = graph_id.split("-", 3)
-    if not (b.startswith("b") and t.startswith("t")):
+    """Inverse of GraphSpec.graph_id ("decode-b8-t1-base", "decode-b8-t1-base-greedy")."""
+    parts = graph_id.split("-")
+    if len(parts) not in (4, 5) or not (parts[1].startswith("b") and parts[2].startswith("t")):
         raise ValueError(f"not a graph id: {graph_id!r}")
-    return GraphSpec(phase, int(b[1:]), int(t[1:]), variant)
+    sampling = parts[4] if len(parts) == 5 else "full"
+    if sampling not in SAMPLERS or sampling == "full" and len(parts) == 5:
+        raise ValueError(f"not a graph id: {graph_id!r}")
+    return GraphSpec(parts[0], int(parts[1][1:]), int(parts[2][1:]), parts[3], sampling)

@@ -139,18 +139,25 @@ class ExportStep(nn.Module):
     "model.<name>"); the state template is kept out of the module tree on purpose.
     """
 
-    def __init__(self, model: nn.Module, state: Any, engine_config: EngineConfig, variant: str = BASE_VARIANT):
+    def __init__(self, model: nn.Module, state: Any, engine_config: EngineConfig, variant: str = BASE_VARIANT,
+                 sampling: str = "full"):
         super().__init__()
         self.model = model
         object.__setattr__(self, "_state_template", state)
         self.num_state = len(state_tensors(state))
         self.engine_config = engine_config
         self.variant = variant
+        self.sampling = sampling
 
     def make_step(self, state: Any) -> nn.Module:
         if self.variant == BASE_VARIANT:
-            return StepFunction(self.model, state, self.engine_config.max_top_logprobs)
-        return get_variant(self.variant).make_step(self.model, state, self.engine_config)
+            return StepFunction(self.model, state, self.engine_config.max_top_logprobs, self.sampling)
+        step = get_variant(self.variant).make_step(self.model, state, self.engine_config)
+        if self.sampling != "full":
+            if not isinstance(step, StepFunction):
+                raise ValueError(f"variant {self.variant!r} has no {self.sampling} sampler")
+            step.sampling = self.sampling
+        return step
 
     def forward(self, *args: torch.Tensor):
         n = len(args) - self.num_state
@@ -206,7 +213,7 @@ def export_spec(model: nn.Module, state: Any, engine_config: EngineConfig, spec:
         # torch 2.13's export pickles pytree specs through a deprecated isinstance check; the
         # warning is torch-internal and repeats once per export.
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        mod = ExportStep(model, state, engine_config, spec.variant)
+        mod = ExportStep(model, state, engine_config, spec.variant, spec.sampling)
         ep = torch.export.export(mod, tuple(inputs) + tuple(st), strict=False)
     dt = time.perf_counter() - t0
     names = input_names(spec, state)
@@ -225,7 +232,7 @@ def _output_nodes(ep) -> list:
 
 def eager_callable(model: nn.Module, state: Any, engine_config: EngineConfig, spec: GraphSpec) -> Callable:
     """The step of `spec` run eagerly, with the shapes checked against the spec."""
-    step = ExportStep(model, state, engine_config, spec.variant).make_step(state)
+    step = ExportStep(model, state, engine_config, spec.variant, spec.sampling).make_step(state)
     b, s, mb = spec.batch, spec.tokens, engine_config.max_blocks_per_seq
 
     def run(*inputs: torch.Tensor):

@@ -74,6 +74,7 @@ class GraphEntry:
     files: list[str] = field(default_factory=list)  # every file of the entry, relative
     reused: bool = False
     error: str | None = None
+    sampling: str = "full"  # "full" | "greedy" (GraphSpec.sampling)
 
 
 @dataclass

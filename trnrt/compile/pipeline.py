@@ -108,6 +108,7 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
         gid = spec.graph_id
         emit(Event(i, len(specs), gid, "export"))
         entry = GraphEntry(id=gid, phase=spec.phase, batch=spec.batch, tokens=spec.tokens, variant=spec.variant,
+                           sampling=spec.sampling,
                            inputs=[], outputs=[], graph_hash="", status="pending")
         try:
             eg = export_spec(model, state, engine_config, spec)

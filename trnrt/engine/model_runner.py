@@ -16,7 +16,7 @@ import torch
 
 from trnrt.config import EngineConfig
 from trnrt.engine.outputs import TokenLogprob
-from trnrt.engine.step import GraphSpec, StepFunction
+from trnrt.engine.step import SAMPLERS, GraphSpec, StepFunction
 
 log = logging.getLogger(__name__)
 
@@ -53,56 +53,68 @@ class ModelRunner:
         self.cfg = engine_config
         self.vocab_size = vocab_size
         self.device = next(model.parameters()).device
-        self.step_fn = StepFunction(model, state, engine_config.max_top_logprobs)
+        self.step_fns = {sampling: StepFunction(model, state, engine_config.max_top_logprobs, sampling)
+                         for sampling in SAMPLERS}
+        self.step_fn = self.step_fns["full"]
         self.compiled = compiled or {}
         self.num_graph_calls: dict[str, int] = {}
 
     # -- padding -----------------------------------------------------------------------------
 
     def _pack(self, rows: list[RowInput], batch: int, tokens: int) -> tuple[torch.Tensor, ...]:
+        # Plain lists, one torch.tensor per input: per-element tensor writes cost ~100 ops a step.
         mb = self.cfg.max_blocks_per_seq
-        ids = torch.zeros((batch, tokens), dtype=torch.int64)
-        start = torch.zeros((batch,), dtype=torch.int64)
-        num_new = torch.zeros((batch,), dtype=torch.int64)
-        tables = torch.zeros((batch, mb), dtype=torch.int64)
-        slots = torch.zeros((batch,), dtype=torch.int64)
-        temp = torch.zeros((batch,), dtype=torch.float32)
-        top_p = torch.ones((batch,), dtype=torch.float32)
-        top_k = torch.full((batch,), self.vocab_size, dtype=torch.int64)
-        min_p = torch.zeros((batch,), dtype=torch.float32)
-        seeds = torch.zeros((batch,), dtype=torch.int64)
-        sample_pos = torch.zeros((batch,), dtype=torch.int64)
-        for i, r in enumerate(rows):
-            n = len(r.token_ids)
-            ids[i, :n] = torch.tensor(r.token_ids, dtype=torch.int64)
-            start[i] = r.start_pos
-            num_new[i] = n
-            tables[i, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int64)
-            slots[i] = r.slot_id
-            temp[i] = r.temperature
-            top_p[i] = r.top_p
-            top_k[i] = min(r.top_k, self.vocab_size) if r.top_k > 0 else self.vocab_size
-            min_p[i] = r.min_p
-            seeds[i] = r.seed & ((1 << 63) - 1)  # any Python int maps into int64
-            sample_pos[i] = r.start_pos + n
-        return tuple(t.to(self.device) for t in (ids, start, num_new, tables, slots, temp, top_p, top_k, min_p, seeds, sample_pos))
+        pad = batch - len(rows)
+        ids = [r.token_ids + [0] * (tokens - len(r.token_ids)) for r in rows] + [[0] * tokens] * pad
+        tables = [r.block_ids + [0] * (mb - len(r.block_ids)) for r in rows] + [[0] * mb] * pad
+        vocab = self.vocab_size
+        cols = (
+            [r.start_pos for r in rows],
+            [len(r.token_ids) for r in rows],
+            [r.slot_id for r in rows],
+            [r.temperature for r in rows],
+            [r.top_p for r in rows],
+            [min(r.top_k, vocab) if r.top_k > 0 else vocab for r in rows],
+            [r.min_p for r in rows],
+            [r.seed & ((1 << 63) - 1) for r in rows],  # any Python int maps into int64
+            [r.start_pos + len(r.token_ids) for r in rows],
+        )
+        pads = (0, 0, 0, 0.0, 1.0, vocab, 0.0, 0, 0)  # padding rows: greedy, slot 0, no tokens
+        dtypes = (torch.int64,) * 3 + (torch.float32, torch.float32, torch.int64, torch.float32, torch.int64, torch.int64)
+        start, num_new, slots, temp, top_p, top_k, min_p, seeds, sample_pos = (
+            torch.tensor(c + [p] * pad, dtype=dt) for c, p, dt in zip(cols, pads, dtypes))
+        out = (torch.tensor(ids, dtype=torch.int64), start, num_new, torch.tensor(tables, dtype=torch.int64), slots,
+               temp, top_p, top_k, min_p, seeds, sample_pos)
+        if self.device.type != "cpu":
+            out = tuple(t.to(self.device) for t in out)
+        return out
 
     def _run(self, spec: GraphSpec, rows: list[RowInput]) -> list[RowResult]:
         inputs = self._pack(rows, spec.batch, spec.tokens)
-        fn = self.compiled.get(spec, self.step_fn)
+        fn = self.compiled.get(spec) or self.step_fns[spec.sampling]
         self.num_graph_calls[spec.graph_id] = self.num_graph_calls.get(spec.graph_id, 0) + 1
         with torch.inference_mode():
             token_ids, token_lp, top_ids, top_lp = fn(*inputs)
-        token_ids, token_lp, top_ids, top_lp = (t.cpu() for t in (token_ids, token_lp, top_ids, top_lp))
+        ids = token_ids.tolist()
+        want = [r.num_logprobs is not None for r in rows]
+        if any(want):
+            lps, tids, tlps = token_lp.tolist(), top_ids.tolist(), top_lp.tolist()
         results = []
         for i, r in enumerate(rows):
             lp = None
-            if r.num_logprobs is not None:
+            if want[i]:
                 k = r.num_logprobs
-                top = list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist()))
-                lp = TokenLogprob(token_id=int(token_ids[i]), logprob=float(token_lp[i]), top=top)
-            results.append(RowResult(token_id=int(token_ids[i]), logprob=lp))
+                lp = TokenLogprob(token_id=ids[i], logprob=lps[i], top=list(zip(tids[i][:k], tlps[i][:k])))
+            results.append(RowResult(token_id=ids[i], logprob=lp))
         return results
+
+    def _sampling(self, rows: list[RowInput]) -> str:
+        """"greedy" when every row is greedy and the greedy graph exists (compiled artifacts
+        always hold both, unless a caller compiled a subset); else "full" (same greedy tokens)."""
+        if all(r.temperature <= 0.0 for r in rows):
+            if not self.compiled or GraphSpec("decode", self.cfg.decode_bucket(len(rows)), 1, sampling="greedy") in self.compiled:
+                return "greedy"
+        return "full"
 
     # -- public ------------------------------------------------------------------------------
 
@@ -115,7 +127,7 @@ class ModelRunner:
         maxb = self.cfg.max_decode_batch
         for k in range(0, len(decode), maxb):
             idx = decode[k : k + maxb]
-            spec = GraphSpec("decode", self.cfg.decode_bucket(len(idx)), 1)
+            spec = GraphSpec("decode", self.cfg.decode_bucket(len(idx)), 1, sampling=self._sampling([rows[i] for i in idx]))
             for i, res in zip(idx, self._run(spec, [rows[i] for i in idx])):
                 results[i] = res
         for i in prefill:

@@ -84,7 +84,21 @@ def sample(logits: torch.Tensor, st: SamplingTensors, num_top_logprobs: int):
     sampled = torch.gather(sorted_idx, 1, choice_sorted[:, None]).squeeze(1)
     token_ids = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)  # [B]
 
+    return (token_ids, *_logprobs_of(logprobs, token_ids, num_top_logprobs))
+
+
+def sample_greedy(logits: torch.Tensor, num_top_logprobs: int):
+    """`sample` for a batch whose rows are all greedy: argmax, no sort, no noise. Same outputs
+    (and the same values for greedy rows) as `sample`."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+    token_ids = torch.argmax(logits, dim=-1)  # [B]
+    return (token_ids, *_logprobs_of(logprobs, token_ids, num_top_logprobs))
+
+
+def _logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top_logprobs: int):
+    """(chosen token's logprob [B], top ids [B, N], top logprobs [B, N]) from logprobs [B, V]."""
     token_logprobs = torch.gather(logprobs, 1, token_ids[:, None]).squeeze(1)
-    n = max(1, min(num_top_logprobs, vocab))
+    n = max(1, min(num_top_logprobs, logprobs.shape[-1]))
     top_logprobs, top_ids = torch.topk(logprobs, n, dim=-1)
-    return token_ids, token_logprobs, top_ids, top_logprobs
+    return token_logprobs, top_ids, top_logprobs

@@ -12,21 +12,32 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trnrt.engine.sampler import SamplingTensors, sample
+from trnrt.engine.sampler import SamplingTensors, sample, sample_greedy
+
+
+SAMPLERS = ("full", "greedy")
 
 
 @dataclass(frozen=True)
 class GraphSpec:
-    """One static-shape graph: `phase` "decode" (batch x 1 token) or "prefill" (1 x tokens)."""
+    """One static-shape graph: `phase` "decode" (batch x 1 token) or "prefill" (1 x tokens).
+
+    sampling: "full" (temperature, top-k, top-p, min-p, seeds: a sort of the whole vocabulary
+    every step) or "greedy" (argmax only; the runner picks it when every row of the batch is
+    greedy, as SGLang's and vLLM's samplers branch on all-greedy batches). Both give the same
+    tokens and logprobs for greedy rows.
+    """
 
     phase: str
     batch: int
     tokens: int
     variant: str = "base"
+    sampling: str = "full"
 
     @property
     def graph_id(self) -> str:
-        return f"{self.phase}-b{self.batch}-t{self.tokens}-{self.variant}"
+        gid = f"{self.phase}-b{self.batch}-t{self.tokens}-{self.variant}"
+        return gid if self.sampling == "full" else f"{gid}-{self.sampling}"
 
 
 STEP_INPUT_NAMES = (
@@ -46,13 +57,19 @@ STEP_OUTPUT_NAMES = ("token_ids", "token_logprobs", "top_ids", "top_logprobs")
 
 
 class StepFunction(nn.Module):
-    """model(forward over state) -> sampler, for one padded batch."""
+    """model(forward over state) -> sampler, for one padded batch.
 
-    def __init__(self, model: nn.Module, state, num_top_logprobs: int):
+    sampling "greedy" ignores the sampling inputs (they stay graph inputs so both kinds of graph
+    take the same arguments)."""
+
+    def __init__(self, model: nn.Module, state, num_top_logprobs: int, sampling: str = "full"):
         super().__init__()
+        if sampling not in SAMPLERS:
+            raise ValueError(f"sampling must be one of {SAMPLERS}, got {sampling!r}")
         self.model = model
         self.state = state
         self.num_top_logprobs = num_top_logprobs
+        self.sampling = sampling
 
     def forward(
         self,
@@ -74,6 +91,8 @@ class StepFunction(nn.Module):
             input_ids=input_ids, start_pos=start_pos, num_new=num_new, block_tables=block_tables, slot_ids=slot_ids
         )
         out = self.model(batch, self.state)
+        if self.sampling == "greedy":
+            return sample_greedy(out.logits, self.num_top_logprobs)
         st = SamplingTensors(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seeds=seeds, positions=sample_pos)
         return sample(out.logits, st, self.num_top_logprobs)
 

@@ -216,11 +216,11 @@ def compare_to_lock(result: dict, lock: dict, preset: str, dims: str, lock_name:
                           f"first differing node")
         rep.verdicts.append(GraphVerdict(gid, ref["hash"], fp.hash, False, d.render()))
     if complete:
-        from trnrt.compile.catalogue import BASE_VARIANT, variant_name
+        from trnrt.compile.catalogue import BASE_VARIANT, spec_from_id, variant_name
 
         current_variant = variant_name(flags)
         for gid in section["graphs"]:
-            variant = gid.split("-", 3)[-1]
+            variant = spec_from_id(gid).variant
             if gid not in result["graphs"] and variant in (BASE_VARIANT, current_variant):
                 rep.verdicts.append(GraphVerdict(gid, section["graphs"][gid]["hash"], None, False,
                                                  f"  {gid} is in the lock but no longer in the preset"))

@@ -19,9 +19,12 @@ runs every expert densely over the chunk, weighted by a dense [T, E] routing mat
 `_grouped_mm`'s export kernel accepts bf16 only. The dense form costs E/top_k times the FLOPs:
 fine for the tiny model on the CPU, not for the real 288-expert model in fp32.
 
-Eager cost on the tiny model is op dispatch, not FLOPs: a decode step is ~2570 aten ops
-(transformers' forward: ~3110), of which the 12 truncated Sinkhorn loops are ~960 (one baddbmm
-and one divide per normalisation). Fused input projections (see `prepare`) save ~30 GEMMs.
+Eager cost on the tiny model is op dispatch, not FLOPs: a decode step is ~2.7k aten ops
+(transformers' forward: ~3.1k), of which the 12 truncated Sinkhorn loops are ~940 (see `sinkhorn`). Fused input projections (see `prepare`) save ~30 GEMMs.
+
+State writes are one multi-index `index_put_` on each whole stacked state tensor (`write_state`),
+never a mutation of a per-layer view: AOTInductor re-inplaces the former and copies the whole
+input for the latter.
 """
 
 from __future__ import annotations
@@ -106,7 +109,6 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def hc_coefficients(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
     hc: int, iters: int, hc_eps: float, norm_eps: float,
-    consts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC pre [.., N], post [.., N], comb [.., N, N] (fp32) from streams [.., N, D].
 
@@ -121,25 +123,37 @@ def hc_coefficients(
     post = 2.0 * torch.sigmoid(post_w * scale[1] + base[hc: 2 * hc])
     comb = comb_w.unflatten(-1, (hc, hc)) * scale[2] + base[2 * hc:].view(hc, hc)
     comb = torch.softmax(comb, dim=-1) + hc_eps  # [.., N, N]
-    lead = comb.shape[:-2]
-    comb = comb.reshape(-1, hc, hc)  # [M, N, N]
-    # Sums as matmuls with a ones matrix, with eps folded in (baddbmm = eps + ones @ comb): one op
-    # plus the divide per normalisation, vs sum + add + divide. The Sinkhorn loops are ~35% of the
-    # ~2700 ops of an eager decode step; the results are bitwise those of sum-then-add here.
     # The lines above keep transformers' exact op structure on purpose: folding scale/base into one
     # fused multiply-add moved the end-to-end logits by up to 2e-4 (vs 3e-5) on the tiny model.
-    ones_b, eps = consts if consts is not None else hc_constants(comb.shape[0], hc, hc_eps, comb.device)
-    comb = comb / torch.baddbmm(eps, ones_b, comb)  # column sums (over i, for each j)
+    return pre, post, sinkhorn(comb, iters, hc_eps)
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Truncated Sinkhorn of comb [.., N, N]: 1 column normalisation, then (iters - 1) row+column
+    pairs, each x / (sum + eps) as transformers writes it.
+
+    Two spellings of the same sums, chosen by a static flag, never by tensor values: under
+    torch.export / torch.compile, plain `sum` (Inductor fuses the 39 normalisations into a few
+    loops; a GEMM form stayed 480 extern calls per compiled decode step); in eager, the sums as
+    `baddbmm(eps, ones, x)` (one dispatch instead of sum + add: 3.0 vs 4.7 us per normalisation,
+    ~0.8 ms of an eager batch-8 step). Tests check the two agree.
+    """
+    if torch.compiler.is_compiling():
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)  # column sums (over i, for each j)
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + eps)  # row sums
+            comb = comb / (comb.sum(-2, keepdim=True) + eps)  # column sums
+        return comb
+    n = comb.shape[-1]
+    lead = comb.shape[:-2]
+    x = comb.reshape(-1, n, n)  # [M, N, N]
+    ones = torch.ones(n, n, dtype=x.dtype, device=x.device).expand_as(x)
+    e = torch.full((), eps, dtype=x.dtype, device=x.device)
+    x = x / torch.baddbmm(e, ones, x)  # column sums
     for _ in range(iters - 1):
-        comb = comb / torch.baddbmm(eps, comb, ones_b)  # row sums
-        comb = comb / torch.baddbmm(eps, ones_b, comb)  # column sums
-    return pre, post, comb.view(*lead, hc, hc)
-
-
-def hc_constants(m: int, hc: int, hc_eps: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ones [m, N, N] (expanded), eps scalar) for the Sinkhorn matmuls; made once per forward."""
-    ones = torch.ones(hc, hc, dtype=torch.float32, device=device).expand(m, hc, hc)
-    return ones, torch.full((), hc_eps, dtype=torch.float32, device=device)
+        x = x / torch.baddbmm(e, x, ones)  # row sums
+        x = x / torch.baddbmm(e, ones, x)  # column sums
+    return x.view(*lead, n, n)
 
 
 class HyperConnection(nn.Module):
@@ -153,12 +167,11 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.empty((2 + n) * n))
         self.scale = nn.Parameter(torch.empty(3))
 
-    def collapse(self, streams: torch.Tensor, consts=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B,S,N,D] -> (post [B,S,N] fp32, comb [B,S,N,N] fp32, collapsed [B,S,D])."""
         c = self.cfg
         pre, post, comb = hc_coefficients(
             streams, self.fn, self.base, self.scale, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
-            consts,
         )
         collapsed = (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)  # fp32 product, cast
         return post, comb, collapsed
@@ -204,6 +217,19 @@ def _fuse(owner: nn.Module, parts: list[tuple[nn.Module, str]]) -> torch.Tensor:
     return fused
 
 
+def write_state(stacked: torch.Tensor, layer: int, index: tuple[torch.Tensor, ...], values: torch.Tensor) -> None:
+    """stacked[layer][index] = values, as ONE index_put_ on the whole stacked state tensor.
+
+    Why not `stacked[layer].index_copy_(...)`: that mutates a *view* of a graph input, and
+    AOTInductor then clones the whole input, scatters into the clone and copies it back (measured:
+    three passes over each MLA layer's entire latent pool per decode step). A multi-index
+    `index_put_` on the input itself is re-inplaced: only the written rows are touched.
+    Duplicate targets occur only in scratch block 0 / slot 0 (padding), whose contents are never read.
+    """
+    lead = torch.full_like(index[0], layer)
+    stacked.index_put_((lead, *index), values)
+
+
 # ----------------------------------------------------------------------------- per-forward metadata
 @dataclass
 class _Meta:
@@ -218,14 +244,15 @@ class _Meta:
     num_new: torch.Tensor  # [B]
     slot_ids: torch.Tensor  # [B] int64
     block_tables: torch.Tensor  # [B, MB] int64
-    tok_flat: torch.Tensor  # [B*S] flat latent row (block*bs + offset); padded tokens -> block 0
+    tok_blk: torch.Tensor  # [B*S] physical block of each new token's latent; padded tokens -> block 0
+    tok_off: torch.Tensor  # [B*S] offset of each new token in its block
     # indexer pooling (per forward, shared by all full-indexer layers)
     pool_gather: torch.Tensor | None  # [B, J*kpool] (extend only) ext index of each candidate pool's tokens
-    pool_flat: torch.Tensor  # [B*J] flat pooled row to write; incomplete pools -> block 0
+    pool_blk: torch.Tensor  # [B*J] block of each candidate pool's key; incomplete pools -> block 0
+    pool_off: torch.Tensor  # [B*J] pool index within its block
     tail_gather: torch.Tensor | None  # [B, kpool-1] (extend only) index into ext of the new right-aligned tail
     pool_cand: torch.Tensor  # [B, S, P] bool, pool complete and its last token visible
     tail_mask: torch.Tensor  # [B, S, T] bool, visible open-pool tokens (always selected)
-    hc_consts: tuple[torch.Tensor, torch.Tensor]  # Sinkhorn ones [B*S, N, N] and eps
 
 
 def _make_meta(cfg: Glm5NextConfig, batch: ForwardBatch, block_size: int) -> _Meta:
@@ -244,7 +271,7 @@ def _make_meta(cfg: Glm5NextConfig, batch: ForwardBatch, block_size: int) -> _Me
     # latent write targets; padded tokens write into scratch block 0
     blk = bt.gather(1, (pos // block_size).clamp(max=MB - 1))
     blk = torch.where(valid, blk, torch.zeros_like(blk))
-    tok_flat = (blk * block_size + pos % block_size).reshape(-1)
+    tok_blk, tok_off = blk.reshape(-1), (pos % block_size).reshape(-1)
 
     # pools completed by this chunk: candidates j = 0..J-1 starting at the open pool P0
     J = (kp - 1 + S + kp - 1) // kp
@@ -262,9 +289,8 @@ def _make_meta(cfg: Glm5NextConfig, batch: ForwardBatch, block_size: int) -> _Me
     pool_start = p0[:, None] + jj[None, :] * kp  # [B, J]
     complete = pool_start + kp <= (start + num_new)[:, None]  # [B, J]
     pblk = bt.gather(1, (pool_start // block_size).clamp(max=MB - 1))
-    ppb = block_size // kp
-    pflat = pblk * ppb + (pool_start % block_size) // kp
-    pool_flat = torch.where(complete, pflat, torch.zeros_like(pflat)).reshape(-1)
+    pool_blk = torch.where(complete, pblk, torch.zeros_like(pblk)).reshape(-1)
+    pool_off = ((pool_start % block_size) // kp).reshape(-1)
 
     P = T // kp
     pool_end = torch.arange(P, device=dev) * kp + (kp - 1)  # [P]
@@ -274,9 +300,9 @@ def _make_meta(cfg: Glm5NextConfig, batch: ForwardBatch, block_size: int) -> _Me
     tail_mask = (kpos[None, None, :] >= tail_start[:, :, None]) & (kpos[None, None, :] <= pos[:, :, None])
     return _Meta(
         B=B, S=S, T=T, valid=valid, pos=pos, restart=start == 0, num_new=num_new,
-        slot_ids=batch.slot_ids.long(), block_tables=bt, tok_flat=tok_flat,
-        pool_gather=pool_gather, pool_flat=pool_flat, tail_gather=tail_gather,
-        pool_cand=pool_cand, tail_mask=tail_mask, hc_consts=hc_constants(B * S, cfg.hc_mult, cfg.hc_eps, dev),
+        slot_ids=batch.slot_ids.long(), block_tables=bt, tok_blk=tok_blk, tok_off=tok_off,
+        pool_gather=pool_gather, pool_blk=pool_blk, pool_off=pool_off, tail_gather=tail_gather,
+        pool_cand=pool_cand, tail_mask=tail_mask,
     )
 
 
@@ -414,7 +440,7 @@ class KDAttention(nn.Module):
         else:  # window after the last VALID token: columns num_new .. num_new+K-2 of xc
             wi = (meta.num_new[:, None] + torch.arange(K - 1, device=x.device)[None, :])[:, None, :]
             new_win = xc.gather(2, wi.expand(B, xc.shape[1], K - 1))
-        conv_state.index_copy_(0, meta.slot_ids, new_win)
+        write_state(state.conv, self.kda_idx, (meta.slot_ids,), new_win)
         q, k, v = y.transpose(1, 2).unflatten(-1, (3 * H, Dk)).split(H, dim=2)  # [B,S,H,Dk] each
 
         g = self.forget_gate(fa)  # [B,S,H,Dk] fp32
@@ -432,7 +458,7 @@ class KDAttention(nn.Module):
             o = o.unsqueeze(1)
         else:
             o, s1 = kda_chunked(q, k, v, g, beta, s0)
-        rec.index_copy_(0, meta.slot_ids, s1)
+        write_state(state.kda, self.kda_idx, (meta.slot_ids,), s1)
         gate = self.g_b_proj(ga).unflatten(-1, (H, Dk))
         o = gated_rms_norm(o.to(dt), gate, self.o_norm.weight, self.o_norm.eps)  # [B,S,H,Dv]
         return self.o_proj(o.flatten(-2))
@@ -474,12 +500,12 @@ class Indexer(nn.Module):
         w = torch.softmax(grp[..., 1, :].float() + self.index_kpool_compress_ape.float(), dim=2).to(k.dtype)
         pooled_new = (w * grp[..., 0, :]).sum(2)  # [B, J, Di]
         pages = state.pooled[self.full_idx]  # [NB, bs/kp, Di]
-        pages.view(-1, Di).index_copy_(0, meta.pool_flat, pooled_new.reshape(-1, Di))
+        write_state(state.pooled, self.full_idx, (meta.pool_blk, meta.pool_off), pooled_new.reshape(-1, Di))
         if S == 1:
             new_tail = ext[:, 1:]  # decode: num_new is 1 (0 only on padding rows -> scratch slot)
         else:
             new_tail = ext.gather(1, meta.tail_gather[:, :, None, None].expand(B, -1, 2, Di))
-        tail.index_copy_(0, meta.slot_ids, new_tail)
+        write_state(state.tail, self.full_idx, (meta.slot_ids,), new_tail)
 
         # score every complete pool of the row (gathered through the block table)
         pk = pages.index_select(0, meta.block_tables.reshape(-1)).view(B, -1, Di)  # [B, P, Di]
@@ -545,7 +571,7 @@ class MLAttention(nn.Module):
         q = self.q_b_proj(q_resid).unflatten(-1, (H, Dn))  # [B,S,H,Dn]
         c = self.kv_a_layernorm(proj[1])  # [B,S,R] the cached latent
         pages = state.latent[self.mla_idx]  # [NB, bs, R]
-        pages.view(-1, R).index_copy_(0, meta.tok_flat, c.reshape(-1, R))
+        write_state(state.latent, self.mla_idx, (meta.tok_blk, meta.tok_off), c.reshape(-1, R))
         if self.indexer is not None:
             mask = self.indexer(proj[2], proj[3], proj[4], q_resid, meta, state)
         else:
@@ -697,7 +723,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg) if cfg.mlp_layer_types[i] == "sparse" else DenseMLP(cfg, cfg.intermediate_size, "dense")
 
     def forward(self, streams, meta: _Meta, state: ModelState, prev_mask):
-        post, comb, x = self.attn_hc.collapse(streams, meta.hc_consts)
+        post, comb, x = self.attn_hc.collapse(streams)
         x = self.input_layernorm(x)
         mask = None
         if self.kind == LINEAR:
@@ -705,7 +731,7 @@ class DecoderLayer(nn.Module):
         else:
             x, mask = self.self_attn(x, meta, state, prev_mask)
         streams = hc_expand(post, comb, x, streams)
-        post, comb, x = self.ffn_hc.collapse(streams, meta.hc_consts)
+        post, comb, x = self.ffn_hc.collapse(streams)
         x = self.mlp(self.post_attention_layernorm(x))
         return hc_expand(post, comb, x, streams), mask
 
