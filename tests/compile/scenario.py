@@ -23,7 +23,7 @@ def run(call, cfg, specs, vocab: int = VOCAB) -> list[tuple]:
     MB = cfg.max_blocks_per_seq
     prefill = sorted(s.tokens for s in specs if s.phase == "prefill")
     decode = sorted(s.batch for s in specs if s.phase == "decode")
-    spec_of = {(s.phase, s.batch if s.phase == "decode" else s.tokens, s.sampling): s for s in specs}
+    spec_of = {(s.phase, s.batch if s.phase == "decode" else s.tokens, s.sampling, s.context): s for s in specs}
     g = torch.Generator().manual_seed(1234)
     live = max([b - 1 if b > 1 else 1 for b in decode] + [1])
     outs: list[tuple] = []
@@ -66,25 +66,29 @@ def run(call, cfg, specs, vocab: int = VOCAB) -> list[tuple]:
             temp, top_p, top_k, min_p, seeds = sampling([n], 1)
             inputs = (ids, torch.tensor([pos]), torch.tensor([chunk]), block_row(slot)[None], torch.tensor([slot]),
                       temp, top_p, top_k, min_p, seeds, torch.tensor([pos + chunk]))
-            o = call(spec_of[("prefill", t, "full")], inputs)
+            o = call(spec_of[("prefill", t, "full", 0)], inputs)
             outs.append((o, 1))
             pos += chunk
         seqs.append({"slot": slot, "pos": length, "last": int(o[0][0]), "row": n})
-    decode_runs = sorted({(s.batch, s.sampling) for s in specs if s.phase == "decode"})
-    for b, kind in decode_runs:
-        rows = seqs[: (b - 1 if b > 1 else 1)]
+    decode_runs = sorted({(s.batch, s.context, s.sampling) for s in specs if s.phase == "decode"})
+    for b, context, kind in decode_runs:
+        mb = cfg.table_blocks(context)
+        # a shorter-context graph takes the sequences that stay inside it for the 3 steps
+        fits = [s for s in seqs if not context or s["pos"] + 3 <= context]
+        rows = fits[: (b - 1 if b > 1 else 1)]
+        assert rows, f"no sequence fits decode context {context}"
         for _ in range(3):
             B = b
             ids = torch.zeros(B, 1, dtype=torch.int64)
             start = torch.zeros(B, dtype=torch.int64)
             num_new = torch.zeros(B, dtype=torch.int64)
-            bt = torch.zeros(B, MB, dtype=torch.int64)
+            bt = torch.zeros(B, mb, dtype=torch.int64)
             slots = torch.zeros(B, dtype=torch.int64)
             for i, s in enumerate(rows):
-                ids[i, 0], start[i], num_new[i], bt[i], slots[i] = s["last"], s["pos"], 1, block_row(s["slot"]), s["slot"]
+                ids[i, 0], start[i], num_new[i], bt[i], slots[i] = s["last"], s["pos"], 1, block_row(s["slot"])[:mb], s["slot"]
             temp, top_p, top_k, min_p, seeds = sampling([s["row"] for s in rows], B, greedy=kind == "greedy")
             inputs = (ids, start, num_new, bt, slots, temp, top_p, top_k, min_p, seeds, start + 1)
-            o = call(spec_of[("decode", b, kind)], inputs)
+            o = call(spec_of[("decode", b, kind, context)], inputs)
             outs.append((o, len(rows)))
             for i, s in enumerate(rows):
                 s["pos"] += 1

@@ -8,6 +8,7 @@ from trnrt.compile.catalogue import (
     UnknownVariantError, expand, register_variant, spec_from_id, unregister_variant,
 )
 from trnrt.config.presets import list_presets, load_preset
+from trnrt.engine.step import GraphSpec
 
 # Pinned spec lists: a change here is a change of what every runner compiles and runs.
 PINNED = {
@@ -16,7 +17,8 @@ PINNED = {
         "decode-b4-t1-base", "decode-b4-t1-base-greedy", "decode-b8-t1-base", "decode-b8-t1-base-greedy",
         "prefill-b1-t16-base", "prefill-b1-t64-base",
     ],
-    "batch8": ["decode-b8-t1-base", "decode-b8-t1-base-greedy", "prefill-b1-t32-base", "prefill-b1-t128-base"],
+    "batch8": ["decode-b8-t1-c128-base", "decode-b8-t1-c128-base-greedy", "decode-b8-t1-base", "decode-b8-t1-base-greedy",
+               "prefill-b1-t32-base", "prefill-b1-t128-base"],
 }
 
 
@@ -42,7 +44,11 @@ def test_graph_ids_round_trip_and_bad_ids_are_refused():
         assert spec_from_id(s.graph_id) == s
     assert spec_from_id("decode-b8-t1-base-greedy").sampling == "greedy"
     assert spec_from_id("decode-b8-t1-base").sampling == "full"
-    for bad in ("decode-b8-t1", "decode-b8-t1-base-full", "decode-b8-t1-base-nucleus", "decode-8-t1-base"):
+    assert spec_from_id("decode-b8-t1-c128-base-greedy") == GraphSpec("decode", 8, 1, "base", "greedy", 128)
+    for s in expand(load_preset("batch8")):
+        assert spec_from_id(s.graph_id) == s
+    for bad in ("decode-b8-t1", "decode-b8-t1-base-full", "decode-b8-t1-base-nucleus", "decode-8-t1-base",
+                "decode-b8-t1-c0-base"):
         with pytest.raises(ValueError):
             spec_from_id(bad)
 

@@ -80,6 +80,10 @@ def test_unknown_preset_lists_known():
         (GOOD.replace("max_model_len = 256", "max_model_len = 250"), "max_model_len"),
         (GOOD.replace("max_model_len = 256\n", ""), "max_model_len"),
         (GOOD + "tensor_parallel = -1\n", "tensor_parallel"),
+        (GOOD + "decode_context_buckets = [100]\n", "decode_context_buckets"),  # not a block multiple
+        (GOOD + "decode_context_buckets = [256]\n", "decode_context_buckets"),  # not below max_model_len
+        (GOOD + "decode_context_buckets = [64, 32]\n", "decode_context_buckets"),
+        (GOOD + "decode_context_buckets = []\n", "decode_context_buckets"),
         (GOOD + "[compiler.tpu]\nargs = []\n", "compiler.tpu"),
         (GOOD + "[compiler.neuron]\nflags = []\n", "compiler.neuron.flags"),
         (GOOD + "[compiler.neuron]\nargs = \"-O1\"\n", "compiler.neuron.args"),
@@ -117,3 +121,13 @@ def test_derived_sizes_and_overrides(tmp_path):
     assert cfg.num_blocks == (cfg.num_slots - 1) * (256 // 16) + 1
     cfg = read_preset(str(write(tmp_path, GOOD + "num_slots = 9\nnum_blocks = 100\n"))).engine_config
     assert (cfg.num_slots, cfg.num_blocks) == (9, 100)
+
+
+def test_decode_context_buckets():
+    from trnrt.config import EngineConfig
+
+    cfg = EngineConfig(max_model_len=256, block_size=16, decode_context_buckets=(32, 128))
+    assert cfg.context_buckets == (32, 128, 256)
+    assert [cfg.context_bucket(n) for n in (1, 32, 33, 128, 129, 256)] == [32, 32, 128, 128, 0, 0]
+    assert cfg.table_blocks(32) == 2 and cfg.table_blocks(0) == cfg.max_blocks_per_seq == 16
+    assert EngineConfig(max_model_len=256).context_bucket(1) == 0  # no buckets: always the full table

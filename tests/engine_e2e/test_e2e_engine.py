@@ -420,3 +420,28 @@ def test_all_greedy_batches_run_the_greedy_graph_and_mixed_ones_the_full_sampler
     assert any(k.startswith("decode-") and not k.endswith("-greedy") for k in delta), delta
     assert mixed[0].output_ids == alone
     assert_clean(engine)
+
+
+def test_decode_context_buckets_cut_the_block_table_and_keep_greedy_tokens(model_dir, small_engine, tokenizer):
+    """A decode batch whose rows all fit in a context bucket runs the short-table graph; once a row
+    outgrows it, the full table. Tokens equal those of an engine without context buckets."""
+    from trnrt.config import EngineConfig
+    from trnrt.engine.engine import Engine
+    from trnrt.engine.scheduler import SchedulerConfig
+
+    ecfg = EngineConfig(max_model_len=256, block_size=16, num_blocks=256 // 16 + 1 + 4, num_slots=5,
+                        decode_batch_buckets=(1, 2, 4), prefill_token_buckets=(16, 64), decode_context_buckets=(32,))
+    scfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, max_prefill_chunk_tokens=64)
+    engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg)
+    try:
+        ids = tokenizer.encode("The quick brown fox", add_special_tokens=False)
+        n = 40 - len(ids)  # crosses the 32-token bucket
+        got = greedy(engine, ids, n)
+        calls = engine.runner.num_graph_calls
+        short = sum(v for k, v in calls.items() if k.startswith("decode-") and "-c32-" in k)
+        full = sum(v for k, v in calls.items() if k.startswith("decode-") and "-c32-" not in k)
+        assert short == 32 - len(ids) and full == n - 1 - short, calls
+        assert got == greedy(small_engine, ids, n)
+        assert_clean(engine)
+    finally:
+        engine.shutdown()

@@ -97,14 +97,16 @@ def base_specs(config: EngineConfig) -> list:
     """decode: batch bucket x 1 token, once with the full sampler and once greedy-only (what an
     all-greedy batch runs: no vocabulary sort); prefill: 1 sequence x token bucket, full sampler
     (it samples one token per prompt, so a greedy twin would not pay for its compile time)."""
-    specs = [GraphSpec("decode", b, 1, BASE_VARIANT, sampling)
-             for b in config.decode_batch_buckets for sampling in SAMPLERS]
+    contexts = [c if c < config.max_model_len else 0 for c in config.context_buckets]
+    specs = [GraphSpec("decode", b, 1, BASE_VARIANT, sampling, ctx)
+             for b in config.decode_batch_buckets for ctx in contexts for sampling in SAMPLERS]
     specs += [GraphSpec("prefill", 1, t, BASE_VARIANT) for t in config.prefill_token_buckets]
     return specs
 
 
 def spec_sort_key(spec) -> tuple:
-    return (_PHASE_ORDER.get(spec.phase, 99), spec.batch, spec.tokens, SAMPLERS.index(spec.sampling),
+    return (_PHASE_ORDER.get(spec.phase, 99), spec.batch, spec.tokens, spec.context or 1 << 62,
+            SAMPLERS.index(spec.sampling),
             spec.variant != BASE_VARIANT, spec.variant)
 
 
@@ -118,16 +120,22 @@ def expand(config: EngineConfig, flags: Iterable[str] | None = None) -> list:
     specs = base_specs(config)
     if fs:
         vd = get_variant(fs)
-        specs += [GraphSpec(s.phase, s.batch, s.tokens, vd.name, s.sampling) for s in list(specs) if s.phase in vd.phases]
+        specs += [GraphSpec(s.phase, s.batch, s.tokens, vd.name, s.sampling, s.context)
+                  for s in list(specs) if s.phase in vd.phases]
     return sorted(specs, key=spec_sort_key)
 
 
 def spec_from_id(graph_id: str):
-    """Inverse of GraphSpec.graph_id ("decode-b8-t1-base", "decode-b8-t1-base-greedy")."""
+    """Inverse of GraphSpec.graph_id ("decode-b8-t1-base", "decode-b8-t1-c128-base-greedy")."""
     parts = graph_id.split("-")
+    context = 0
+    if len(parts) > 3 and parts[3][:1] == "c" and parts[3][1:].isdigit():
+        context = int(parts.pop(3)[1:])
+        if context <= 0:
+            raise ValueError(f"not a graph id: {graph_id!r}")
     if len(parts) not in (4, 5) or not (parts[1].startswith("b") and parts[2].startswith("t")):
         raise ValueError(f"not a graph id: {graph_id!r}")
     sampling = parts[4] if len(parts) == 5 else "full"
     if sampling not in SAMPLERS or sampling == "full" and len(parts) == 5:
         raise ValueError(f"not a graph id: {graph_id!r}")
-    return GraphSpec(parts[0], int(parts[1][1:]), int(parts[2][1:]), parts[3], sampling)
+    return GraphSpec(parts[0], int(parts[1][1:]), int(parts[2][1:]), parts[3], sampling, context)

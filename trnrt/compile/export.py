@@ -168,7 +168,7 @@ class ExportStep(nn.Module):
 
 def spec_inputs(spec: GraphSpec, engine_config: EngineConfig, vocab_size: int, device="cpu") -> tuple[torch.Tensor, ...]:
     """Example step inputs of `spec` (base inputs, then the variant's extra inputs)."""
-    base = example_inputs(spec, engine_config.max_blocks_per_seq, vocab_size, device=device)
+    base = example_inputs(spec, engine_config.table_blocks(spec.context), vocab_size, device=device)
     if spec.variant == BASE_VARIANT:
         return base
     extra = get_variant(spec.variant).example_extra_inputs(spec, engine_config, vocab_size, device)
@@ -233,7 +233,7 @@ def _output_nodes(ep) -> list:
 def eager_callable(model: nn.Module, state: Any, engine_config: EngineConfig, spec: GraphSpec) -> Callable:
     """The step of `spec` run eagerly, with the shapes checked against the spec."""
     step = ExportStep(model, state, engine_config, spec.variant, spec.sampling).make_step(state)
-    b, s, mb = spec.batch, spec.tokens, engine_config.max_blocks_per_seq
+    b, s, mb = spec.batch, spec.tokens, engine_config.table_blocks(spec.context)
 
     def run(*inputs: torch.Tensor):
         if tuple(inputs[0].shape) != (b, s) or tuple(inputs[3].shape) != (b, mb):

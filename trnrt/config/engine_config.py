@@ -39,6 +39,10 @@ class EngineConfig:
     max_model_len: int = 1024
     decode_batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     prefill_token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256)
+    # Shorter block tables for decode graphs (tokens, multiples of block_size, < max_model_len):
+    # a decode batch whose longest sequence fits in one runs attention and the indexer over that
+    # many tokens instead of max_model_len (as NxDI buckets token generation by sequence length).
+    decode_context_buckets: tuple[int, ...] = ()
     num_blocks: int = 1025
     num_slots: int = 33
     max_top_logprobs: int = 20
@@ -61,6 +65,14 @@ class EngineConfig:
         object.__setattr__(self, "prefill_token_buckets", tuple(self.prefill_token_buckets))
         _check_buckets("decode_batch_buckets", self.decode_batch_buckets)
         _check_buckets("prefill_token_buckets", self.prefill_token_buckets)
+        object.__setattr__(self, "decode_context_buckets", tuple(self.decode_context_buckets))
+        if self.decode_context_buckets:
+            _check_buckets("decode_context_buckets", self.decode_context_buckets)
+            bad = [c for c in self.decode_context_buckets if c % self.block_size or c >= self.max_model_len]
+            if bad:
+                raise EngineConfigError(
+                    f"decode_context_buckets must be multiples of block_size ({self.block_size}) below max_model_len "
+                    f"({self.max_model_len}), got {list(self.decode_context_buckets)}", field="decode_context_buckets")
         object.__setattr__(self, "variants", tuple(self.variants))
         object.__setattr__(self, "compiler_args", tuple((str(b), str(a)) for b, a in self.compiler_args))
         if self.num_slots < 2:
@@ -79,6 +91,23 @@ class EngineConfig:
     @property
     def max_prefill_tokens(self) -> int:
         return self.prefill_token_buckets[-1]
+
+    @property
+    def context_buckets(self) -> tuple[int, ...]:
+        """Decode context lengths with a graph: decode_context_buckets, then max_model_len."""
+        return (*self.decode_context_buckets, self.max_model_len)
+
+    def context_bucket(self, num_tokens: int) -> int:
+        """The decode graph context for a batch whose longest sequence holds `num_tokens` tokens
+        (after this step): 0 (the full table) or the smallest shorter bucket that fits."""
+        for c in self.decode_context_buckets:
+            if c >= num_tokens:
+                return c
+        return 0
+
+    def table_blocks(self, context: int = 0) -> int:
+        """Block-table width of a graph with `context` (0: the full table, max_blocks_per_seq)."""
+        return -(-context // self.block_size) if context else self.max_blocks_per_seq
 
     def decode_bucket(self, batch: int) -> int:
         """Smallest decode batch bucket >= batch."""

@@ -35,7 +35,8 @@ BACKENDS = ("cpu", "cuda", "neuron", "eager")
 # Top-level keys: name -> (type check, description for error messages).
 _INT_KEYS = ("block_size", "max_model_len", "max_top_logprobs", "tensor_parallel", "num_blocks", "num_slots")
 _BUCKET_KEYS = ("decode_batch_buckets", "prefill_token_buckets")
-_TOP_KEYS = ("dtype", *_INT_KEYS, *_BUCKET_KEYS, "compiler")
+_OPTIONAL_BUCKET_KEYS = ("decode_context_buckets",)
+_TOP_KEYS = ("dtype", *_INT_KEYS, *_BUCKET_KEYS, *_OPTIONAL_BUCKET_KEYS, "compiler")
 _REQUIRED = ("dtype", "block_size", "max_model_len", "decode_batch_buckets", "prefill_token_buckets")
 # Per backend: "args" (command-line arguments of the backend compiler, e.g. neuronx-cc) and
 # "inductor" (torch._inductor config overrides, for cpu and cuda).
@@ -164,7 +165,7 @@ def parse_preset(raw: dict, name: str, path: Path) -> Preset:
     for key in _INT_KEYS:
         if key in raw:
             _check_int(raw, key, path)
-    for key in _BUCKET_KEYS:
+    for key in (*_BUCKET_KEYS, *[k for k in _OPTIONAL_BUCKET_KEYS if k in raw]):
         v = raw[key]
         if not isinstance(v, list) or not v or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in v):
             raise _err(f"{key} must be a non-empty list of positive integers, got {v!r}", key, path)
@@ -194,6 +195,7 @@ def parse_preset(raw: dict, name: str, path: Path) -> Preset:
             max_model_len=raw["max_model_len"],
             decode_batch_buckets=tuple(raw["decode_batch_buckets"]),
             prefill_token_buckets=tuple(raw["prefill_token_buckets"]),
+            decode_context_buckets=tuple(raw.get("decode_context_buckets", ())),
             num_blocks=num_blocks,
             num_slots=num_slots,
             max_top_logprobs=raw.get("max_top_logprobs", 20),
@@ -237,6 +239,7 @@ def graph_settings(cfg: EngineConfig) -> dict:
         "max_model_len": cfg.max_model_len,
         "decode_batch_buckets": list(cfg.decode_batch_buckets),
         "prefill_token_buckets": list(cfg.prefill_token_buckets),
+        "decode_context_buckets": list(cfg.decode_context_buckets),
         "num_blocks": cfg.num_blocks,
         "num_slots": cfg.num_slots,
         "max_top_logprobs": cfg.max_top_logprobs,

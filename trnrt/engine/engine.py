@@ -54,6 +54,18 @@ def read_eos_token_ids(model_dir: Path, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+def fast_decoder(tokenizer):
+    """The object the detokenizers call `decode(ids, skip_special_tokens=...)` on: the Rust
+    `tokenizers.Tokenizer` behind a transformers fast tokenizer when that gives the same text (no
+    clean-up of tokenization spaces), else the tokenizer itself. The transformers wrapper checks
+    every id in Python on each call: ~4x the cost of the decode, and two decodes per token per
+    request (measured: 1.6 ms of a 1.65 ms batch-8 engine step with an instant model)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return backend
+    return tokenizer
+
+
 class Engine:
     """A running engine (implements trnrt.engine.client.EngineClient).
 
@@ -67,6 +79,7 @@ class Engine:
 
         self.runner = runner
         self.tokenizer = tokenizer
+        self._decoder = fast_decoder(tokenizer)
         self.model_info = model_info
         self.engine_config = engine_config
         self.scheduler_config = scheduler_config
@@ -292,7 +305,7 @@ class Engine:
         sp = request.sampling_params
         self._streams[rid] = stream
         self._detoks[rid] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop
+            self._decoder, request.prompt_token_ids, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop
         )
 
     def _abort(self, rid: str, message: str, finish_type: str = "abort") -> None:

@@ -22,6 +22,8 @@ SAMPLERS = ("full", "greedy")
 class GraphSpec:
     """One static-shape graph: `phase` "decode" (batch x 1 token) or "prefill" (1 x tokens).
 
+    context: decode graphs of `decode_context_buckets` take a block table of `context` tokens
+    instead of max_model_len (attention and indexer scan only that many).
     sampling: "full" (temperature, top-k, top-p, min-p, seeds: a sort of the whole vocabulary
     every step) or "greedy" (argmax only; the runner picks it when every row of the batch is
     greedy, as SGLang's and vLLM's samplers branch on all-greedy batches). Both give the same
@@ -33,10 +35,12 @@ class GraphSpec:
     tokens: int
     variant: str = "base"
     sampling: str = "full"
+    context: int = 0  # block-table length in tokens; 0 = max_model_len (EngineConfig.table_blocks)
 
     @property
     def graph_id(self) -> str:
-        gid = f"{self.phase}-b{self.batch}-t{self.tokens}-{self.variant}"
+        ctx = f"-c{self.context}" if self.context else ""
+        gid = f"{self.phase}-b{self.batch}-t{self.tokens}{ctx}-{self.variant}"
         return gid if self.sampling == "full" else f"{gid}-{self.sampling}"
 
 
