@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from trnrt.config import EngineConfig
@@ -64,36 +65,36 @@ class ModelRunner:
     # -- padding -----------------------------------------------------------------------------
 
     def _pack(self, rows: list[RowInput], batch: int, tokens: int, context: int = 0) -> tuple[torch.Tensor, ...]:
-        # Two torch.tensor calls (every int64 input, then every fp32 one, flat) split into
-        # contiguous views: building 11 tensors element by element cost ~0.1 ms a step.
+        # numpy arrays filled row by row, then shared with torch (zero copy): torch.tensor() on
+        # Python lists costs ~0.1 ms a step for the block tables alone.
         mb = self.cfg.table_blocks(context)  # a row's blocks past the context bucket are never read
-        pad = batch - len(rows)
+        n = len(rows)
         vocab = self.vocab_size
-        ints: list[int] = []
-        for r in rows:
-            ints += r.token_ids
-            ints += [0] * (tokens - len(r.token_ids))
-        ints += [0] * (tokens * pad)
-        ints += [r.start_pos for r in rows] + [0] * pad
-        ints += [len(r.token_ids) for r in rows] + [0] * pad  # num_new: 0 marks a padding row
-        for r in rows:
-            ints += r.block_ids[:mb]
-            ints += [0] * (mb - len(r.block_ids[:mb]))
-        ints += [0] * (mb * pad)
-        ints += [r.slot_id for r in rows] + [0] * pad  # padding rows use the scratch slot 0
-        ints += [min(r.top_k, vocab) if r.top_k > 0 else vocab for r in rows] + [vocab] * pad
-        ints += [r.seed & ((1 << 63) - 1) for r in rows] + [0] * pad  # any Python int maps into int64
-        ints += [r.start_pos + len(r.token_ids) for r in rows] + [0] * pad  # sample_pos
-        floats: list[float] = [r.temperature for r in rows] + [0.0] * pad  # padding rows: greedy
-        floats += [r.top_p for r in rows] + [1.0] * pad
-        floats += [r.min_p for r in rows] + [0.0] * pad
-        i64 = torch.tensor(ints, dtype=torch.int64)
-        f32 = torch.tensor(floats, dtype=torch.float32)
-        ids, start, num_new, tables, slots, top_k, seeds, sample_pos = i64.split(
-            [batch * tokens, batch, batch, batch * mb, batch, batch, batch, batch])
-        temp, top_p, min_p = f32.split([batch, batch, batch])
-        out = (ids.view(batch, tokens), start, num_new, tables.view(batch, mb), slots, temp, top_p, top_k, min_p,
-               seeds, sample_pos)
+        ids = np.zeros((batch, tokens), np.int64)
+        tables = np.zeros((batch, mb), np.int64)  # padding rows: block 0 (scratch)
+        for i, r in enumerate(rows):
+            ids[i, : len(r.token_ids)] = r.token_ids
+            blocks = r.block_ids[:mb]
+            tables[i, : len(blocks)] = blocks
+
+        def col(values: list, pad, dtype) -> np.ndarray:
+            return np.array(values + [pad] * (batch - n), dtype=dtype)
+
+        num_new = [len(r.token_ids) for r in rows]
+        start = [r.start_pos for r in rows]
+        out = tuple(torch.from_numpy(a) for a in (
+            ids,
+            col(start, 0, np.int64),
+            col(num_new, 0, np.int64),  # num_new 0 marks a padding row
+            tables,
+            col([r.slot_id for r in rows], 0, np.int64),  # padding rows use the scratch slot 0
+            col([r.temperature for r in rows], 0.0, np.float32),  # padding rows: greedy
+            col([r.top_p for r in rows], 1.0, np.float32),
+            col([min(r.top_k, vocab) if r.top_k > 0 else vocab for r in rows], vocab, np.int64),
+            col([r.min_p for r in rows], 0.0, np.float32),
+            col([r.seed & ((1 << 63) - 1) for r in rows], 0, np.int64),  # any Python int maps into int64
+            col([a + b for a, b in zip(start, num_new)], 0, np.int64),  # sample_pos
+        ))
         if self.device.type != "cpu":
             out = tuple(t.to(self.device) for t in out)
         return out
