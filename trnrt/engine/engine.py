@@ -331,7 +331,8 @@ class Engine:
             self._update_live()
             return
         for s in sched_out.scheduled:
-            self.stats_collector.on_request_scheduled(s.request_id)
+            if s.is_prefill:  # only a prefill chunk can be a request's first service (queue time)
+                self.stats_collector.on_request_scheduled(s.request_id)
         for rid in sched_out.preempted_request_ids:
             self.stats_collector.on_request_preempted(rid)
         runner_out = self._execute(sched_out)

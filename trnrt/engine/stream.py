@@ -13,7 +13,8 @@ class OutputStream:
 
     def __init__(self, request_id: str):
         self.request_id = request_id
-        self._queue: queue.Queue[RequestOutput] = queue.Queue()
+        # SimpleQueue (C, lock-free put): the engine thread puts one output per request per step.
+        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         self.finished = False
 
     def put(self, output: RequestOutput) -> None:
