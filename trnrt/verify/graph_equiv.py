@@ -220,7 +220,10 @@ def compare_to_lock(result: dict, lock: dict, preset: str, dims: str, lock_name:
 
         current_variant = variant_name(flags)
         for gid in section["graphs"]:
-            variant = spec_from_id(gid).variant
+            try:
+                variant = spec_from_id(gid).variant
+            except ValueError:  # not a catalogue id (a hand-written lock): compare it as a base graph
+                variant = BASE_VARIANT
             if gid not in result["graphs"] and variant in (BASE_VARIANT, current_variant):
                 rep.verdicts.append(GraphVerdict(gid, section["graphs"][gid]["hash"], None, False,
                                                  f"  {gid} is in the lock but no longer in the preset"))
