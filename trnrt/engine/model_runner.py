@@ -2,10 +2,9 @@
 
 Rows with one new token run in the decode graph (batch padded to a decode bucket, block tables cut
 to the smallest decode context bucket that holds the longest row, the greedy-sampler graph when
-every row is greedy); each prefill
-chunk runs in the prefill graph (one sequence, tokens padded to a token bucket). Eager or
-compiled, the runner always pads to the EngineConfig's buckets, so a test of the eager path is a
-test of the compiled shapes.
+every row is greedy); each prefill chunk runs in the prefill graph (one sequence, tokens padded to
+a token bucket). Eager or compiled, the runner always pads to the EngineConfig's buckets, so a test
+of the eager path is a test of the compiled shapes.
 """
 
 from __future__ import annotations
