@@ -57,7 +57,6 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.step_fns = {sampling: StepFunction(model, state, engine_config.max_top_logprobs, sampling)
                          for sampling in SAMPLERS}
-        self.step_fn = self.step_fns["full"]
         self.compiled = compiled or {}
         self.num_graph_calls: dict[str, int] = {}
 

@@ -118,6 +118,19 @@ def _usage(prompt: int, completion: int, reasoning: int | None, cached: int = 0)
     return u
 
 
+def _respond(req, resp, run, stream: bool) -> None:
+    """Hand a chat/completion run to the response: an SSE body (closed by the server when done or
+    when the client goes away) or the collected JSON (the run is closed either way)."""
+    if stream:
+        _sse_headers(resp)
+        resp.stream = sse.StreamBody(run.sse(_client_gone(req)), run.close)
+    else:
+        try:
+            resp.media = run.collect(_client_gone(req))
+        finally:
+            run.close()
+
+
 def _sse_headers(resp) -> None:
     resp.content_type = "text/event-stream"
     resp.set_header("Cache-Control", "no-cache")
@@ -251,14 +264,7 @@ class ChatCompletions:
             st.release()
             raise
         run = _ChatRun(st, ti, creq, greq, stream, out, len(prompt_ids), use_reasoning, forced)
-        if creq.stream:
-            _sse_headers(resp)
-            resp.stream = sse.StreamBody(run.sse(_client_gone(req)), run.close)
-        else:
-            try:
-                resp.media = run.collect(_client_gone(req))
-            finally:
-                run.close()
+        _respond(req, resp, run, creq.stream)
 
     def _render(self, ti: TokenizerInfo, creq: ChatRequest) -> tuple[str, list[int]]:
         kwargs = dict(creq.template_kwargs)
@@ -489,14 +495,7 @@ class Completions:
             st.release()
             raise
         run = _CompletionRun(st, ti, creq, reqs, streams, prompt_ids, echo_texts)
-        if creq.stream:
-            _sse_headers(resp)
-            resp.stream = sse.StreamBody(run.sse(_client_gone(req)), run.close)
-        else:
-            try:
-                resp.media = run.collect(_client_gone(req))
-            finally:
-                run.close()
+        _respond(req, resp, run, creq.stream)
 
 
 class _CompletionRun:
