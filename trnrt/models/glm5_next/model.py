@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trnrt.models import kernels
+
 from .config import INDEXED, LINEAR, Glm5NextConfig
 from .state import ModelState
 
@@ -128,6 +130,14 @@ def hc_coefficients(
     return pre, post, sinkhorn(comb, iters, hc_eps)
 
 
+def fused_kernels(x: torch.Tensor) -> bool:
+    """Whether the eager step may use trnrt's fused C++ mHC kernels (trnrt/models/kernels) for x.
+
+    Static facts only (loaded library, device, export or not), never tensor values. Under
+    torch.export / torch.compile the plain PyTorch path is traced, so graphs never hold the ops."""
+    return kernels.available() and x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Truncated Sinkhorn of comb [.., N, N]: 1 column normalisation, then (iters - 1) row+column
     pairs, each x / (sum + eps) as transformers writes it.
@@ -170,6 +180,10 @@ class HyperConnection(nn.Module):
     def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B,S,N,D] -> (post [B,S,N] fp32, comb [B,S,N,N] fp32, collapsed [B,S,D])."""
         c = self.cfg
+        if fused_kernels(streams):
+            return torch.ops.trnrt.hc_collapse(
+                streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
+            )
         pre, post, comb = hc_coefficients(
             streams, self.fn, self.base, self.scale, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps,
         )
@@ -182,6 +196,8 @@ def hc_expand(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, residua
 
     post [B,S,N], comb [B,S,N,N], out [B,S,D], residual [B,S,N,D] -> [B,S,N,D]."""
     dt = residual.dtype
+    if dt == torch.float32 and fused_kernels(residual):
+        return torch.ops.trnrt.hc_expand(post, comb, out, residual)
     B, S, N, D = residual.shape
     expanded = post.to(dt).unsqueeze(-1) * out.unsqueeze(-2)  # [B,S,N,D]
     mixed = torch.baddbmm(
@@ -763,6 +779,8 @@ class Glm5NextForServing(nn.Module):
         for mod in self.modules():
             if mod is not self and hasattr(mod, "prepare"):
                 mod.prepare()
+        if self.embed_tokens.weight.device.type == "cpu":
+            kernels.load()  # built once per machine; plain PyTorch if it cannot be built
 
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

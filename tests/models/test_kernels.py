@@ -1,0 +1,129 @@
+"""trnrt's fused C++ mHC kernels (trnrt/models/kernels) against the plain PyTorch path.
+
+The kernels must build on a CI-like machine (g++ and ninja, the tools AOTInductor needs too):
+a failed build would silently put every eager step back on the slow path, so it fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trnrt.models.glm5_next.model as M
+from trnrt.models import kernels
+from glm5_helpers import Driver, tokens
+
+
+@pytest.fixture(scope="module")
+def ops():
+    assert kernels.load(), f"fused kernels did not build: {kernels.error()}"
+    return torch.ops.trnrt
+
+
+def _plain(monkeypatch):
+    monkeypatch.setattr(kernels, "available", lambda: False)
+
+
+def _hc_inputs(shape, n, d, seed, peaked=False, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    fn = torch.randn((2 + n) * n, n * d, generator=g) / (n * d) ** 0.5
+    base = torch.randn((2 + n) * n, generator=g)
+    scale = torch.tensor([1.0, 1.0, 4.0 if peaked else 0.5])
+    if peaked:
+        base[2 * n:] *= 6
+    streams = (torch.randn(*shape, n, d, generator=g) * 3).to(dtype)
+    return streams, fn, base, scale
+
+
+def _plain_collapse(streams, fn, base, scale, n, iters):
+    pre, post, comb = M.hc_coefficients(streams, fn, base, scale, n, iters, 1e-6, 1e-5)
+    return post, comb, (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
+
+
+@pytest.mark.parametrize("shape,n,d,iters,peaked", [
+    ((8, 1), 4, 64, 20, False),  # a decode batch
+    ((1, 37), 4, 64, 20, True),  # a prefill chunk, Sinkhorn far from converged
+    ((3, 2), 4, 16, 3, True),  # few iterations: every normalisation counts
+    ((2, 5), 2, 8, 20, False),  # another stream count
+])
+def test_hc_collapse_matches_plain_path(ops, monkeypatch, shape, n, d, iters, peaked):
+    streams, fn, base, scale = _hc_inputs(shape, n, d, seed=sum(shape) + iters, peaked=peaked)
+    _plain(monkeypatch)
+    post_p, comb_p, col_p = _plain_collapse(streams, fn, base, scale, n, iters)
+    post_k, comb_k, col_k = ops.hc_collapse(streams, fn, base, scale, iters, 1e-6, 1e-5)
+    assert post_k.shape == post_p.shape and comb_k.shape == comb_p.shape and col_k.shape == col_p.shape
+    assert comb_k.dtype == torch.float32 and col_k.dtype == streams.dtype
+    if peaked:
+        assert (comb_p.sum(-1) - 1).abs().max() > 1e-3  # not converged: the iteration count shows
+    torch.testing.assert_close(post_k, post_p, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(comb_k, comb_p, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(col_k, col_p, atol=1e-5, rtol=1e-5)
+    if peaked:  # one Sinkhorn step fewer is far outside that tolerance
+        _, comb_short, _ = ops.hc_collapse(streams, fn, base, scale, iters - 1, 1e-6, 1e-5)
+        assert (comb_short - comb_p).abs().max() > 1e-4
+
+
+def test_hc_collapse_bf16_streams(ops, monkeypatch):
+    streams, fn, base, scale = _hc_inputs((4, 3), 4, 32, seed=3, dtype=torch.bfloat16)
+    _plain(monkeypatch)
+    post_p, comb_p, col_p = _plain_collapse(streams, fn, base, scale, 4, 20)
+    post_k, comb_k, col_k = ops.hc_collapse(streams, fn, base, scale, 20, 1e-6, 1e-5)
+    assert col_k.dtype == torch.bfloat16
+    torch.testing.assert_close(comb_k, comb_p, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(col_k.float(), col_p.float(), atol=0, rtol=1e-2)  # at most a bf16 rounding step
+
+
+def test_hc_expand_matches_plain_path(ops, monkeypatch):
+    torch.manual_seed(1)
+    post, comb = torch.rand(2, 3, 4), torch.rand(2, 3, 4, 4)
+    out, res = torch.randn(2, 3, 16), torch.randn(2, 3, 4, 16)
+    _plain(monkeypatch)
+    want = M.hc_expand(post, comb, out, res)
+    got = ops.hc_expand(post, comb, out, res)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    ref = post.unsqueeze(-1) * out.unsqueeze(-2) + torch.einsum("bsij,bsid->bsjd", comb, res)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_model_uses_kernels_and_matches_plain(ops, model, monkeypatch):
+    """The serving model calls the fused ops in eager steps (counted), and its logits equal the
+    plain PyTorch path's to fp32 rounding through a prefill and decodes."""
+    calls = {"collapse": 0, "expand": 0}
+    real_collapse, real_expand = ops.hc_collapse, ops.hc_expand
+
+    class Counting:
+        def hc_collapse(self, *a):
+            calls["collapse"] += 1
+            return real_collapse(*a)
+
+        def hc_expand(self, *a):
+            calls["expand"] += 1
+            return real_expand(*a)
+
+    def run():
+        drv = Driver(model)
+        drv.new_seq("a")
+        out = [drv.step([("a", tokens(23, 9).tolist())]).logits]
+        for t in (5, 7, 11):
+            out.append(drv.step([("a", [t])]).logits)
+        return out
+
+    monkeypatch.setattr(torch.ops, "trnrt", Counting())
+    fused = run()
+    n_layers = model.config.num_hidden_layers
+    assert calls == {"collapse": 4 * 2 * n_layers, "expand": 4 * 2 * n_layers}
+    _plain(monkeypatch)
+    plain = run()
+    assert calls["collapse"] == 4 * 2 * n_layers  # the plain path made no further calls
+    for f, p in zip(fused, plain):
+        torch.testing.assert_close(f, p, atol=1e-5, rtol=1e-5)
+
+
+def test_export_never_traces_the_kernels(ops, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not M.fused_kernels(torch.zeros(1))
+
+
+def test_env_switch_turns_kernels_off(monkeypatch):
+    monkeypatch.setenv("TRNRT_KERNELS", "0")
+    assert not kernels.enabled_by_env()
