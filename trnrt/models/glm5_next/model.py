@@ -82,6 +82,8 @@ class ModelOutput:
 # ----------------------------------------------------------------------------- primitives
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: normalise in fp32, cast to the input dtype, then times `weight`."""
+    if weight.dtype == x.dtype and fused_kernels(x):
+        return torch.ops.trnrt.rms_norm(x, weight, eps)
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * y.to(x.dtype)
@@ -98,6 +100,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, kind: str) -> tor
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """KDA o_norm: all-fp32 RMSNorm times weight, times SIGMOID(gate) (not silu), cast back."""
+    if x.dtype == gate.dtype == weight.dtype == torch.float32 and fused_kernels(x):
+        return torch.ops.trnrt.gated_rms_norm(x, gate, weight, eps)
     x32 = x.float()
     y = weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
     return (y * torch.sigmoid(gate.float())).to(x.dtype)
@@ -443,6 +447,11 @@ class KDAttention(nn.Module):
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
             fa, ga, bb = self.forget_gate.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
+        if S == 1 and dt == torch.float32 and fused_kernels(x):
+            o = self._decode_fused(qkv, fa, bb, meta, state)  # [B,H,Dv] fp32
+            gate = self.g_b_proj(ga).unflatten(-1, (H, Dk))
+            o = gated_rms_norm(o.unsqueeze(1), gate, self.o_norm.weight, self.o_norm.eps)  # [B,1,H,Dv]
+            return self.o_proj(o.flatten(-2))
         qkv = qkv.transpose(1, 2)  # [B,C,S]
         conv_state = state.conv[self.kda_idx]  # [NS, C, K-1]
         win = conv_state.index_select(0, meta.slot_ids)  # [B,C,K-1]
@@ -478,6 +487,15 @@ class KDAttention(nn.Module):
         gate = self.g_b_proj(ga).unflatten(-1, (H, Dk))
         o = gated_rms_norm(o.to(dt), gate, self.o_norm.weight, self.o_norm.eps)  # [B,S,H,Dv]
         return self.o_proj(o.flatten(-2))
+
+    def _decode_fused(self, qkv, fa, bb, meta: _Meta, state: ModelState) -> torch.Tensor:
+        """The conv, gates, norms and recurrence of one decode token in one C++ call (eager, fp32;
+        trnrt/models/kernels): same maths as the plain path below, state updated in place."""
+        fg = self.forget_gate
+        return torch.ops.trnrt.kda_decode(
+            qkv[:, 0], fg.f_b_proj(fa)[:, 0], bb[:, 0], state.conv, state.kda, self.kda_idx, meta.slot_ids,
+            meta.restart, meta.valid[:, 0], self.conv1d.weight, fg.dt_bias, fg.A_log, fg.lower_bound, self.Dk ** -0.5,
+        )  # [B,H,Dv]
 
 
 # ----------------------------------------------------------------------------- MLA + indexer
@@ -535,8 +553,41 @@ class Indexer(nn.Module):
         sel = iscore.topk(min(self.cfg.index_topk // kp, P), dim=-1).indices  # [B,S,k]
         pool_mask = torch.zeros_like(cand).scatter(-1, sel, cand.gather(-1, sel))  # [B,S,P]
         index_probe(pool_mask, meta)
+        if S == 1:
+            return _decode_selection(sel, cand.gather(-1, sel), meta, kp)
         tok_mask = pool_mask.unsqueeze(-1).expand(B, S, P, kp).reshape(B, S, P * kp)
         return tok_mask | meta.tail_mask | ~meta.valid.unsqueeze(-1)  # padded queries: anything finite
+
+
+@dataclass
+class Selection:
+    """A decode step's sparse attention set: K = topk pools x kpool tokens + (kpool - 1) open-pool
+    tokens per row; the same keys the dense mask of a prefill would make visible."""
+
+    blk: torch.Tensor  # [B, K] physical block of each selected token
+    off: torch.Tensor  # [B, K] offset in the block
+    visible: torch.Tensor  # [B, K] bool
+
+
+def _decode_selection(sel: torch.Tensor, sel_ok: torch.Tensor, meta: _Meta, kp: int) -> Selection:
+    """sel [B,1,k] pool indices from the indexer's topk, sel_ok [B,1,k] whether each is a real
+    candidate -> the Selection of the decode row (its tokens' blocks and offsets, and visibility).
+
+    Selected pools are complete and the open pool is not, so the two token sets never overlap;
+    a row with fewer candidates than k has its surplus picks marked invisible. Padding rows see
+    everything they gathered (any finite row will do: their outputs are never read)."""
+    B = sel.shape[0]
+    bs = meta.T // meta.block_tables.shape[1]
+    ar = torch.arange(kp, device=sel.device)
+    pool_tok = (sel[:, 0, :, None] * kp + ar).reshape(B, -1)  # [B, k*kp]
+    pool_vis = sel_ok[:, 0, :, None].expand(-1, -1, kp).reshape(B, -1)
+    pos = meta.pos[:, 0]  # [B]
+    tail_tok = ((pos + 1) // kp * kp)[:, None] + ar[None, : kp - 1]  # [B, kp-1], open pool from its start
+    tail_vis = tail_tok <= pos[:, None]
+    tok = torch.cat([pool_tok, tail_tok.clamp(max=meta.T - 1)], 1)  # [B, K]
+    visible = torch.cat([pool_vis, tail_vis], 1) | ~meta.valid  # [B, K]
+    blk = meta.block_tables.gather(1, tok // bs)
+    return Selection(blk=blk, off=tok % bs, visible=visible)
 
 
 def index_probe(pool_mask: torch.Tensor, meta: _Meta) -> None:
@@ -592,10 +643,12 @@ class MLAttention(nn.Module):
             mask = self.indexer(proj[2], proj[3], proj[4], q_resid, meta, state)
         else:
             mask = prev_mask  # shared layer: the previous full layer's selection, verbatim
-        lat = pages.index_select(0, meta.block_tables.reshape(-1)).view(B, -1, R)  # [B,T,R]
-        T = lat.shape[1]
         wkv = self.kv_b_proj.weight.view(H, Dn + self.Dv, R)  # per head [W_UK (Dn rows) | W_UV (Dv rows)]
         qa = torch.matmul(q.transpose(1, 2), wkv[:, :Dn])  # absorbed query [B,H,S,R]
+        if S == 1:
+            return self._decode_sparse(qa, pages, mask, wkv, x.dtype), mask
+        lat = pages.index_select(0, meta.block_tables.reshape(-1)).view(B, -1, R)  # [B,T,R]
+        T = lat.shape[1]
         # One latent head serves every query head (MQA): fold heads into the rows of a bmm
         # instead of broadcasting the latents over heads, which would copy [B,H,T,R].
         sc = torch.bmm(qa.reshape(B, H * S, R), lat.transpose(1, 2)).view(B, H, S, T) * self.scaling  # [B,H,S,T]
@@ -604,6 +657,19 @@ class MLAttention(nn.Module):
         ol = torch.bmm(p.view(B, H * S, T), lat).view(B, H, S, R)  # latent-space output [B,H,S,R]
         o = torch.matmul(ol, wkv[:, Dn:].transpose(-1, -2))  # [B,H,S,Dv]
         return self.o_proj(o.transpose(1, 2).flatten(-2)), mask
+
+    def _decode_sparse(self, qa, pages, sel: Selection, wkv, dtype) -> torch.Tensor:
+        """Decode attention over the indexer's selection only (DSA's sparse form): gathers K
+        latents per row instead of the whole block table, so the cost follows index_topk, not
+        the context length. Same keys and weights as the dense mask; qa [B,H,1,R] -> [B,1,D]."""
+        B, H, _, R = qa.shape
+        lat = pages[sel.blk, sel.off]  # [B,K,R]
+        sc = torch.bmm(qa.reshape(B, H, R), lat.transpose(1, 2)) * self.scaling  # [B,H,K]
+        sc = sc.masked_fill(~sel.visible.unsqueeze(1), float("-inf"))
+        p = torch.softmax(sc, dim=-1, dtype=torch.float32).to(dtype)
+        ol = torch.bmm(p, lat)  # latent-space output [B,H,R]
+        o = torch.matmul(ol.unsqueeze(2), wkv[:, self.Dn:].transpose(-1, -2))  # [B,H,1,Dv]
+        return self.o_proj(o.transpose(1, 2).flatten(-2))
 
 
 # ----------------------------------------------------------------------------- MLPs

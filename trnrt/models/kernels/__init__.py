@@ -65,7 +65,8 @@ def load() -> bool:
             )
             _state.update(ok=True, error="")
         except Exception as e:  # no compiler, no ninja, build error: the PyTorch path still works
-            _state.update(ok=False, error=f"{type(e).__name__}: {e}".strip()[:500])
+            msg = f"{type(e).__name__}: {e}".strip()
+            _state.update(ok=False, error=msg if len(msg) <= 1500 else msg[:300] + " ... " + msg[-1200:])
             log.warning("trnrt fused CPU kernels unavailable, eager steps use plain PyTorch: %s", _state["error"])
         return bool(_state["ok"])
 
