@@ -111,16 +111,32 @@ def test_model_uses_kernels_and_matches_plain(ops, model, monkeypatch):
             out.append(drv.step([("a", [t]), ("b", [t + 1])], pad_rows=1).logits)
         return out, drv.state
 
+    selected = []
+
+    def probe(pool_mask, meta):
+        if meta.S == 1:
+            selected.append((int(pool_mask.sum(-1).max()), int((meta.pos[:, 0] + 1).max()) // kp))
+
+    kp = model.config.index_kpool
+    monkeypatch.setattr(M, "index_probe", probe)
     monkeypatch.setattr(torch.ops, "trnrt", Counting())
     fused, st_f = run()
     cfg = model.config
     n_layers, n_kda = cfg.num_hidden_layers, cfg.layer_types.count("linear_attention")
+    n_mla = n_layers - n_kda
+    n_full = sum(1 for t, i in zip(cfg.layer_types, cfg.indexer_types) if t != "linear_attention" and i == "full")
+    n_sparse = cfg.mlp_layer_types.count("sparse")
     steps, decodes = 6, 5
     assert calls["hc_collapse"] == calls["hc_expand"] == 2 * n_layers * steps
     assert calls["kda_decode"] == n_kda * decodes  # the prefill runs the chunked plain path
     assert calls["gated_rms_norm"] == n_kda * steps
     assert calls["rms_norm"] >= 2 * n_layers * steps
+    assert calls["indexer_decode"] == n_full * decodes and calls["mla_decode_attn"] == n_mla * decodes
+    assert calls["moe_routed"] == n_sparse * decodes
+    # the decodes really ran sparse: fewer pools selected than complete ones
+    assert selected and all(sel == cfg.index_topk // kp < complete for sel, complete in selected)
     seen = dict(calls)
+    monkeypatch.setattr(M, "index_probe", lambda pool_mask, meta: None)
     _plain(monkeypatch)
     plain, st_p = run()
     assert calls == seen  # the plain path made no further calls
@@ -148,6 +164,26 @@ def test_kda_decode_restart_and_padding(ops, model, monkeypatch):
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
     for a, b in zip(st_f.tensors(), st_p.tensors()):
         torch.testing.assert_close(a[:, 1:], b[:, 1:], atol=1e-5, rtol=1e-5)
+
+
+def test_moe_routed_matches_plain_path_with_clamp_reached(ops, model, monkeypatch):
+    """Router + gathered experts against the plain path, on inputs that reach the SwiGLU clamp."""
+    moe = next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "gate"))
+    x = torch.randn(16, model.config.hidden_size, generator=torch.Generator().manual_seed(4)) * 8
+    seen = []
+    orig = M.swiglu
+
+    def probe(gate, up, limit, kind):
+        seen.append(bool((gate > limit).any()) and bool((up.abs() > limit).any()))
+        return orig(gate, up, limit, kind)
+
+    monkeypatch.setattr(M, "swiglu", probe)
+    _plain(monkeypatch)
+    w, idx = moe.gate(x)
+    want = moe.experts.gathered(x, w, idx)
+    assert seen and all(seen), "the inputs must reach the clamp"
+    got = moe._decode_fused(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_rms_norms_match_plain_path(ops, monkeypatch):

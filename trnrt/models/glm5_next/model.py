@@ -520,6 +520,8 @@ class Indexer(nn.Module):
         B, S, _ = gs.shape
         Hi, Di, kp = self.Hi, self.Di, self.kp
         k = self.k_norm(wk_x)  # [B,S,Di]
+        if S == 1 and k.dtype == torch.float32 and fused_kernels(k):
+            return self._decode_fused(k, hw_x, gs, q_resid, meta, state)
         tail = state.tail[self.full_idx]  # [NS, kp-1, 2, Di]
         old = tail.index_select(0, meta.slot_ids)  # [B, kp-1, 2, Di]
         # ext[i] holds position start-(kp-1)+i. Tail entries older than the open pool (or left by a
@@ -557,6 +559,18 @@ class Indexer(nn.Module):
             return _decode_selection(sel, cand.gather(-1, sel), meta, kp)
         tok_mask = pool_mask.unsqueeze(-1).expand(B, S, P, kp).reshape(B, S, P * kp)
         return tok_mask | meta.tail_mask | ~meta.valid.unsqueeze(-1)  # padded queries: anything finite
+
+    def _decode_fused(self, k, hw_x, gs, q_resid, meta: _Meta, state: ModelState) -> "Selection":
+        """Pool, tail shift, scoring, top-k and the selection of one decode token in one C++ call
+        (eager, fp32; trnrt/models/kernels): same maths as the plain path above."""
+        q = self.wq_b(q_resid)[:, 0].unflatten(-1, (self.Hi, self.Di))  # [B,Hi,Di]
+        blk, off, visible, pool_mask = torch.ops.trnrt.indexer_decode(
+            k[:, 0], gs[:, 0], q, hw_x[:, 0], state.tail, state.pooled, self.full_idx,
+            self.index_kpool_compress_ape, meta.block_tables, meta.slot_ids, meta.pos[:, 0], meta.valid[:, 0],
+            meta.pool_blk, meta.pool_off, self.cfg.index_topk // self.kp, meta.T // meta.block_tables.shape[1],
+        )
+        index_probe(pool_mask, meta)
+        return Selection(blk=blk, off=off, visible=visible)
 
 
 @dataclass
@@ -646,7 +660,7 @@ class MLAttention(nn.Module):
         wkv = self.kv_b_proj.weight.view(H, Dn + self.Dv, R)  # per head [W_UK (Dn rows) | W_UV (Dv rows)]
         qa = torch.matmul(q.transpose(1, 2), wkv[:, :Dn])  # absorbed query [B,H,S,R]
         if S == 1:
-            return self._decode_sparse(qa, pages, mask, wkv, x.dtype), mask
+            return self._decode_sparse(qa, pages, state.latent, mask, wkv, x.dtype), mask
         lat = pages.index_select(0, meta.block_tables.reshape(-1)).view(B, -1, R)  # [B,T,R]
         T = lat.shape[1]
         # One latent head serves every query head (MQA): fold heads into the rows of a bmm
@@ -658,16 +672,20 @@ class MLAttention(nn.Module):
         o = torch.matmul(ol, wkv[:, Dn:].transpose(-1, -2))  # [B,H,S,Dv]
         return self.o_proj(o.transpose(1, 2).flatten(-2)), mask
 
-    def _decode_sparse(self, qa, pages, sel: Selection, wkv, dtype) -> torch.Tensor:
+    def _decode_sparse(self, qa, pages, state_latent, sel: Selection, wkv, dtype) -> torch.Tensor:
         """Decode attention over the indexer's selection only (DSA's sparse form): gathers K
         latents per row instead of the whole block table, so the cost follows index_topk, not
         the context length. Same keys and weights as the dense mask; qa [B,H,1,R] -> [B,1,D]."""
         B, H, _, R = qa.shape
-        lat = pages[sel.blk, sel.off]  # [B,K,R]
-        sc = torch.bmm(qa.reshape(B, H, R), lat.transpose(1, 2)) * self.scaling  # [B,H,K]
-        sc = sc.masked_fill(~sel.visible.unsqueeze(1), float("-inf"))
-        p = torch.softmax(sc, dim=-1, dtype=torch.float32).to(dtype)
-        ol = torch.bmm(p, lat)  # latent-space output [B,H,R]
+        if dtype == torch.float32 and fused_kernels(qa):
+            ol = torch.ops.trnrt.mla_decode_attn(qa[:, :, 0], state_latent, self.mla_idx, sel.blk, sel.off,
+                                                 sel.visible, self.scaling)  # [B,H,R]
+        else:
+            lat = pages[sel.blk, sel.off]  # [B,K,R]
+            sc = torch.bmm(qa.reshape(B, H, R), lat.transpose(1, 2)) * self.scaling  # [B,H,K]
+            sc = sc.masked_fill(~sel.visible.unsqueeze(1), float("-inf"))
+            p = torch.softmax(sc, dim=-1, dtype=torch.float32).to(dtype)
+            ol = torch.bmm(p, lat)  # latent-space output [B,H,R]
         o = torch.matmul(ol.unsqueeze(2), wkv[:, self.Dn:].transpose(-1, -2))  # [B,H,1,Dv]
         return self.o_proj(o.transpose(1, 2).flatten(-2))
 
@@ -777,6 +795,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, D = x.shape
         flat = x.reshape(-1, D)
+        if S == 1 and x.dtype == torch.float32 and fused_kernels(x):
+            return self._decode_fused(flat).view(B, S, D) + self.shared_experts(x)
         w, idx = self.gate(flat)
         if S == 1:
             routed = self.experts.gathered(flat, w, idx)
@@ -787,6 +807,15 @@ class MoE(nn.Module):
         else:
             routed = self.experts.dense(flat, w, idx)
         return routed.view(B, S, D) + self.shared_experts(x)  # shared expert is not routing-weighted
+
+    def _decode_fused(self, flat: torch.Tensor) -> torch.Tensor:
+        """Router + gathered experts of decode tokens in one C++ call (eager, fp32;
+        trnrt/models/kernels): same maths as Router.forward and Experts.gathered. [T,D] -> [T,D]."""
+        c, g, e = self.gate.cfg, self.gate, self.experts
+        return torch.ops.trnrt.moe_routed(
+            flat, g.weight, g.e_score_correction_bias, e.gate_up_proj, e.down_proj, c.n_group, c.topk_group,
+            c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor, c.swiglu_limit,
+        )
 
 
 # ----------------------------------------------------------------------------- layers / model

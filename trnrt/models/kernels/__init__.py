@@ -61,7 +61,7 @@ def load() -> bool:
                 os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
             cpp_extension.load(
                 name=f"trnrt_cpu_ops_{key}", sources=[str(SOURCE)], build_directory=str(bdir),
-                extra_cflags=["-O3", "-ffp-contract=off"], is_python_module=False, verbose=False,
+                extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp-simd"], is_python_module=False, verbose=False,
             )
             _state.update(ok=True, error="")
         except Exception as e:  # no compiler, no ninja, build error: the PyTorch path still works

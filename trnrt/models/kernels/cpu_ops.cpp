@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -323,6 +324,247 @@ at::Tensor kda_decode(const at::Tensor& qkv_in, const at::Tensor& f_in, const at
   return out;
 }
 
+// Dot product of n floats; the simd reduction lets the compiler vectorise it (summation order
+// differs from a sequential loop and from BLAS by rounding only).
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// Indices of the k largest of v[0..n) (ties: lower index first), largest first.
+std::vector<int64_t> top_indices(const float* v, int64_t n, int64_t k) {
+  std::vector<int64_t> idx(n);
+  for (int64_t i = 0; i < n; ++i) idx[i] = i;
+  k = std::min(k, n);
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                    [&](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
+  idx.resize(k);
+  return idx;
+}
+
+// The routed half of a decode MoE (fp32): the Router (sigmoid scores, group-limited top-k with the
+// score-correction bias for choosing only, normalised and scaled weights) and the chosen experts'
+// clamped-SwiGLU MLPs, summed over the top-k in fp32.
+//   x [T, D], router_w [E, D], bias [E], gate_up [E, 2I, D], down [E, D, I] -> [T, D].
+at::Tensor moe_routed(const at::Tensor& x_in, const at::Tensor& router_w, const at::Tensor& bias,
+                      const at::Tensor& gate_up, const at::Tensor& down, int64_t n_group, int64_t topk_group,
+                      int64_t top_k, bool norm_topk_prob, double scaling, double limit_d) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x_in, &router_w, &bias, &gate_up, &down})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "moe_routed: fp32 only");
+  auto x = x_in.contiguous(), rw = router_w.contiguous(), bi = bias.contiguous();
+  auto gu = gate_up.contiguous(), dn = down.contiguous();
+  const int64_t T = x.size(0), D = x.size(1), E = rw.size(0), I = dn.size(2);
+  TORCH_CHECK(E % n_group == 0 && gu.size(0) == E && gu.size(1) == 2 * I && gu.size(2) == D, "moe_routed: shapes");
+  const int64_t per = E / n_group;
+  const float limit = static_cast<float>(limit_d);
+  auto out = at::empty({T, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
+    std::vector<float> scores(E), choice(E), grp(n_group), h(2 * I), a(I), acc(D);
+    for (int64_t t = b; t < e; ++t) {
+      const float* xt = xp + t * D;
+      for (int64_t j = 0; j < E; ++j) {
+        scores[j] = sigmoidf(dot(xt, rw.data_ptr<float>() + j * D, D));
+        choice[j] = scores[j] + bi.data_ptr<float>()[j];
+      }
+      if (n_group > 1) {
+        for (int64_t g = 0; g < n_group; ++g) {
+          auto two = top_indices(choice.data() + g * per, per, 2);
+          float sum = 0.0f;
+          for (auto i : two) sum += choice[g * per + i];
+          grp[g] = sum;
+        }
+        auto keep = top_indices(grp.data(), n_group, topk_group);
+        std::vector<bool> kept(n_group, false);
+        for (auto g : keep) kept[g] = true;
+        for (int64_t j = 0; j < E; ++j)
+          if (!kept[j / per]) choice[j] = -INFINITY;
+      }
+      auto idx = top_indices(choice.data(), E, top_k);
+      std::vector<float> w(idx.size());
+      float wsum = 0.0f;
+      for (size_t i = 0; i < idx.size(); ++i) { w[i] = scores[idx[i]]; wsum += w[i]; }
+      for (size_t i = 0; i < idx.size(); ++i) {
+        if (norm_topk_prob) w[i] = w[i] / (wsum + 1e-20f);
+        w[i] = w[i] * static_cast<float>(scaling);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (size_t i = 0; i < idx.size(); ++i) {
+        const float* g = gu.data_ptr<float>() + idx[i] * 2 * I * D;
+        for (int64_t r = 0; r < 2 * I; ++r) h[r] = dot(g + r * D, xt, D);
+        for (int64_t r = 0; r < I; ++r) {
+          const float gate = std::min(h[r], limit);
+          const float up = std::min(std::max(h[I + r], -limit), limit);
+          a[r] = gate * sigmoidf(gate) * up;
+        }
+        const float* dw = dn.data_ptr<float>() + idx[i] * D * I;
+        for (int64_t r = 0; r < D; ++r) acc[r] += dot(dw + r * I, a.data(), I) * w[i];
+      }
+      std::copy(acc.begin(), acc.end(), out.data_ptr<float>() + t * D);
+    }
+  });
+  return out;
+}
+
+// Decode attention of one MLA layer over a selection (fp32): scores of the absorbed query against
+// the K selected latents, masked softmax, the weighted latent sum.
+//   qa [B, H, R], latent_state [L, NB, bs, R], blk/off/visible [B, K] -> [B, H, R].
+at::Tensor mla_decode_attn(const at::Tensor& qa_in, const at::Tensor& latent_state, int64_t layer,
+                           const at::Tensor& blk_in, const at::Tensor& off_in, const at::Tensor& vis_in,
+                           double scaling) {
+  TORCH_CHECK(qa_in.scalar_type() == at::kFloat && latent_state.scalar_type() == at::kFloat,
+              "mla_decode_attn: fp32 only");
+  TORCH_CHECK(latent_state.is_contiguous(), "mla_decode_attn: latent state must be contiguous");
+  auto qa = qa_in.contiguous();
+  auto blk = blk_in.to(at::kLong).contiguous(), off = off_in.to(at::kLong).contiguous();
+  auto vis = vis_in.to(at::kBool).contiguous();
+  const int64_t B = qa.size(0), H = qa.size(1), R = qa.size(2), K = blk.size(1);
+  const int64_t NB = latent_state.size(1), bs = latent_state.size(2);
+  TORCH_CHECK(latent_state.size(3) == R, "mla_decode_attn: latent width");
+  const float* lat = latent_state.data_ptr<float>() + layer * NB * bs * R;
+  auto out = at::empty({B, H, R}, qa.options());
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<const float*> rows(K);
+    std::vector<float> p(K);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t bl = blk.data_ptr<int64_t>()[b * K + j], of = off.data_ptr<int64_t>()[b * K + j];
+        TORCH_CHECK(bl >= 0 && bl < NB && of >= 0 && of < bs, "mla_decode_attn: selection out of range");
+        rows[j] = lat + (bl * bs + of) * R;
+      }
+      const bool* vb = vis.data_ptr<bool>() + b * K;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* q = qa.data_ptr<float>() + (b * H + h) * R;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < K; ++j) {
+          p[j] = vb[j] ? dot(q, rows[j], R) * static_cast<float>(scaling) : -INFINITY;
+          mx = std::max(mx, p[j]);
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < K; ++j) { p[j] = std::exp(p[j] - mx); sum += p[j]; }
+        float* o = out.data_ptr<float>() + (b * H + h) * R;
+        std::fill(o, o + R, 0.0f);
+        for (int64_t j = 0; j < K; ++j) {
+          const float pj = p[j] / sum;
+          const float* rj = rows[j];
+#pragma omp simd
+          for (int64_t r = 0; r < R; ++r) o[r] += pj * rj[r];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// The DSA indexer of one decode token per row (fp32), from its projections to the selection:
+// pool the open k-pool when this token completes it (written to the paged pooled keys), shift
+// the slot's tail, score every complete visible pool, keep the top k_top pools, and return the
+// attention selection (blocks, offsets, visibility of topk*kpool + kpool-1 tokens) and the pool mask.
+//   k [B, Di] (k_norm(wk x)), gs [B, Di] (compress-gate scores), q [B, Hi, Di] (wq_b q_resid),
+//   hw [B, Hi] (weights_proj x), tail_state [F, NS, kp-1, 2, Di], pooled_state [F, NB, bs/kp, Di],
+//   ape [kp, Di], block_tables [B, MB], slot_ids/pos/pool_blk/pool_off [B], valid [B] bool.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> indexer_decode(
+    const at::Tensor& k_in, const at::Tensor& gs_in, const at::Tensor& q_in, const at::Tensor& hw_in,
+    at::Tensor& tail_state, at::Tensor& pooled_state, int64_t layer, const at::Tensor& ape_in,
+    const at::Tensor& block_tables, const at::Tensor& slot_ids, const at::Tensor& pos_in, const at::Tensor& valid_in,
+    const at::Tensor& pool_blk, const at::Tensor& pool_off, int64_t k_top, int64_t block_size) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_in, &gs_in, &q_in, &hw_in, &tail_state,
+                                                                      &pooled_state, &ape_in})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "indexer_decode: fp32 only");
+  TORCH_CHECK(tail_state.is_contiguous() && pooled_state.is_contiguous(), "indexer_decode: state must be contiguous");
+  auto k = k_in.contiguous(), gs = gs_in.contiguous(), q = q_in.contiguous(), hw = hw_in.contiguous();
+  auto ape = ape_in.contiguous();
+  auto bt = block_tables.to(at::kLong).contiguous(), sl = slot_ids.to(at::kLong).contiguous();
+  auto pos = pos_in.to(at::kLong).contiguous(), val = valid_in.to(at::kBool).contiguous();
+  auto pb = pool_blk.to(at::kLong).contiguous(), po = pool_off.to(at::kLong).contiguous();
+  const int64_t B = k.size(0), Di = k.size(1), Hi = q.size(1), kp = ape.size(0), MB = bt.size(1);
+  const int64_t NS = tail_state.size(1), NB = pooled_state.size(1), ppb = pooled_state.size(2);
+  TORCH_CHECK(tail_state.size(2) == kp - 1 && ppb * kp == block_size, "indexer_decode: state shapes");
+  const int64_t T = MB * block_size, P = T / kp, kk = std::min(k_top, P), K = kk * kp + kp - 1;
+  float* tail = tail_state.data_ptr<float>() + layer * NS * (kp - 1) * 2 * Di;
+  float* pooled = pooled_state.data_ptr<float>() + layer * NB * ppb * Di;
+  const int64_t* slp = sl.data_ptr<int64_t>();
+  // ext rows per batch row: the kp-1 tail entries, then this token's (k, gs)
+  std::vector<float> ext(B * kp * 2 * Di), pooled_new(B * Di);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(slp[b] >= 0 && slp[b] < NS, "indexer_decode: slot id out of range");
+    std::copy_n(tail + slp[b] * (kp - 1) * 2 * Di, (kp - 1) * 2 * Di, ext.data() + b * kp * 2 * Di);
+    float* last = ext.data() + (b * kp + kp - 1) * 2 * Di;
+    std::copy_n(k.data_ptr<float>() + b * Di, Di, last);
+    std::copy_n(gs.data_ptr<float>() + b * Di, Di, last + Di);
+    for (int64_t c = 0; c < Di; ++c) {  // softmax over the pool's kp tokens, per channel
+      float mx = -INFINITY;
+      for (int64_t m = 0; m < kp; ++m)
+        mx = std::max(mx, ext[((b * kp + m) * 2 + 1) * Di + c] + ape.data_ptr<float>()[m * Di + c]);
+      float sum = 0.0f;
+      std::vector<float> e(kp);
+      for (int64_t m = 0; m < kp; ++m) {
+        e[m] = std::exp(ext[((b * kp + m) * 2 + 1) * Di + c] + ape.data_ptr<float>()[m * Di + c] - mx);
+        sum += e[m];
+      }
+      float acc = 0.0f;
+      for (int64_t m = 0; m < kp; ++m) acc += (e[m] / sum) * ext[((b * kp + m) * 2) * Di + c];
+      pooled_new[b * Di + c] = acc;
+    }
+  }
+  for (int64_t b = 0; b < B; ++b) {  // writes: the pooled key (incomplete pools -> scratch block 0), the tail
+    const int64_t bl = pb.data_ptr<int64_t>()[b], of = po.data_ptr<int64_t>()[b];
+    TORCH_CHECK(bl >= 0 && bl < NB && of >= 0 && of < ppb, "indexer_decode: pool target out of range");
+    std::copy_n(pooled_new.data() + b * Di, Di, pooled + (bl * ppb + of) * Di);
+    std::copy_n(ext.data() + (b * kp + 1) * 2 * Di, (kp - 1) * 2 * Di, tail + slp[b] * (kp - 1) * 2 * Di);
+  }
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  auto blk = at::empty({B, K}, opts), off = at::empty({B, K}, opts);
+  auto vis = at::empty({B, K}, opts.dtype(at::kBool));
+  auto pool_mask = at::zeros({B, 1, P}, opts.dtype(at::kBool));
+  const float qscale = 1.0f / std::sqrt(static_cast<float>(Di)), hscale = 1.0f / std::sqrt(static_cast<float>(Hi));
+  const float lowest = std::numeric_limits<float>::lowest();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> score(P);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t pb_ = pos.data_ptr<int64_t>()[b];
+      const int64_t* btr = bt.data_ptr<int64_t>() + b * MB;
+      const float* qb = q.data_ptr<float>() + b * Hi * Di;
+      const float* hb = hw.data_ptr<float>() + b * Hi;
+      for (int64_t p = 0; p < P; ++p) {
+        if (p * kp + kp - 1 > pb_) { score[p] = lowest; continue; }  // not a complete visible pool
+        const int64_t bl = btr[p / ppb];
+        TORCH_CHECK(bl >= 0 && bl < NB, "indexer_decode: block id out of range");
+        const float* pk = pooled + (bl * ppb + p % ppb) * Di;
+        float s = 0.0f;
+        for (int64_t h = 0; h < Hi; ++h) s += (hb[h] * hscale) * std::max(dot(qb + h * Di, pk, Di) * qscale, 0.0f);
+        score[p] = s;
+      }
+      auto sel = top_indices(score.data(), P, kk);
+      const bool ok = val.data_ptr<bool>()[b];
+      int64_t* bk = blk.data_ptr<int64_t>() + b * K;
+      int64_t* of = off.data_ptr<int64_t>() + b * K;
+      bool* vs = vis.data_ptr<bool>() + b * K;
+      for (int64_t i = 0; i < kk; ++i) {
+        const int64_t p = sel[i];
+        const bool cand = p * kp + kp - 1 <= pb_;
+        if (cand) pool_mask.data_ptr<bool>()[b * P + p] = true;
+        for (int64_t m = 0; m < kp; ++m) {
+          const int64_t tok = p * kp + m;
+          bk[i * kp + m] = btr[tok / block_size];
+          of[i * kp + m] = tok % block_size;
+          vs[i * kp + m] = cand || !ok;
+        }
+      }
+      const int64_t tail_start = (pb_ + 1) / kp * kp;
+      for (int64_t m = 0; m < kp - 1; ++m) {
+        const int64_t tok = std::min(tail_start + m, T - 1);
+        bk[kk * kp + m] = btr[tok / block_size];
+        of[kk * kp + m] = tok % block_size;
+        vs[kk * kp + m] = (tail_start + m <= pb_) || !ok;
+      }
+    }
+  });
+  return {blk, off, vis, pool_mask};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(trnrt, m) {
@@ -334,6 +576,13 @@ TORCH_LIBRARY(trnrt, m) {
   m.def("kda_decode(Tensor qkv, Tensor f, Tensor bb, Tensor(a!) conv_state, Tensor(b!) kda_state, int layer, "
         "Tensor slot_ids, Tensor restart, Tensor valid, Tensor conv_w, Tensor dt_bias, Tensor a_log, "
         "float? lower_bound, float q_scale) -> Tensor");
+  m.def("moe_routed(Tensor x, Tensor router_w, Tensor bias, Tensor gate_up, Tensor down, int n_group, "
+        "int topk_group, int top_k, bool norm_topk_prob, float scaling, float limit) -> Tensor");
+  m.def("mla_decode_attn(Tensor qa, Tensor latent_state, int layer, Tensor blk, Tensor off, Tensor visible, "
+        "float scaling) -> Tensor");
+  m.def("indexer_decode(Tensor k, Tensor gs, Tensor q, Tensor hw, Tensor(a!) tail_state, Tensor(b!) pooled_state, "
+        "int layer, Tensor ape, Tensor block_tables, Tensor slot_ids, Tensor pos, Tensor valid, Tensor pool_blk, "
+        "Tensor pool_off, int k_top, int block_size) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(trnrt, CPU, m) {
@@ -342,4 +591,7 @@ TORCH_LIBRARY_IMPL(trnrt, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("gated_rms_norm", &gated_rms_norm);
   m.impl("kda_decode", &kda_decode);
+  m.impl("moe_routed", &moe_routed);
+  m.impl("mla_decode_attn", &mla_decode_attn);
+  m.impl("indexer_decode", &indexer_decode);
 }
