@@ -20,6 +20,10 @@ from trnrt.compile.manifest import Manifest
 from trnrt.config.presets import load_preset, read_preset
 from trnrt.verify.graph_equiv import read_lock
 
+from compile_groups import GROUP_A, GROUP_B, SUBSET
+
+pytestmark = GROUP_B  # every test here shares the batch8 / default-prefill compiles (see conftest)
+
 LOGPROB_TOL = 1e-4  # fp32; Inductor fuses and reorders reductions, so bits may differ
 
 
@@ -34,21 +38,26 @@ def _compiled_specs(art_dir, cfg):
 
 
 def _check_same(model, cfg, art_dir):
+    """Runs the scenario over every graph of the preset: compiled graphs where the artifact has
+    them, eager (on the same state) for the rest; the eager reference runs everything eagerly.
+    Returns the ids of the compiled graphs checked."""
     specs = _compiled_specs(art_dir, cfg)
     assert specs
+    all_specs = expand(cfg)
     st_c, st_e = _state(model, cfg), _state(model, cfg)
     fns = load_compiled(art_dir, model, st_c, cfg, specs=specs, check_graphs=False)
     assert all(hasattr(fns[s], "runner") for s in specs), "expected AOTInductor callables, not eager ones"
-    eager = {s: eager_callable(model, st_e, cfg, s) for s in specs}
+    fill = {s: eager_callable(model, st_c, cfg, s) for s in all_specs if s not in fns}
+    eager = {s: eager_callable(model, st_e, cfg, s) for s in all_specs}
     used = set()
 
     def call_c(spec, inputs):
         used.add(spec)
-        return fns[spec](*inputs)
+        return (fns.get(spec) or fill[spec])(*inputs)
 
-    out_c = scenario.run(call_c, cfg, specs)
-    out_e = scenario.run(lambda spec, inputs: eager[spec](*inputs), cfg, specs)
-    assert used == set(specs), "the scenario must exercise every compiled graph"
+    out_c = scenario.run(call_c, cfg, all_specs)
+    out_e = scenario.run(lambda spec, inputs: eager[spec](*inputs), cfg, all_specs)
+    assert set(specs) <= used, "the scenario must exercise every compiled graph"
     assert len(out_c) == len(out_e)
     assert any(n < len(o[0]) for o, n in out_e), "the scenario must include padding rows"
     for i, ((c, n), (e, _)) in enumerate(zip(out_c, out_e)):
@@ -62,14 +71,26 @@ def _check_same(model, cfg, art_dir):
     for (name, a), (_, b) in zip(state_tensors(st_c), state_tensors(st_e)):
         assert a[:, 1:].abs().sum() > 0, f"compiled graphs never wrote state.{name}"
         torch.testing.assert_close(a[:, 1:], b[:, 1:], atol=1e-4, rtol=1e-4, msg=f"state.{name}")
+    return {s.graph_id for s in specs}
 
 
 def test_compiled_equals_eager_batch8(tiny_model, compiled_batch8):
-    _check_same(tiny_model, load_preset("batch8"), compiled_batch8)
+    checked = _check_same(tiny_model, load_preset("batch8"), compiled_batch8)
+    if not SUBSET:
+        assert checked == {s.graph_id for s in expand(load_preset("batch8"))}
 
 
-def test_compiled_equals_eager_default(tiny_model, compiled_default):
-    _check_same(tiny_model, load_preset("default"), compiled_default)
+@GROUP_A
+def test_compiled_equals_eager_default_decode(tiny_model, compiled_default_decode):
+    cfg = load_preset("default")
+    checked = _check_same(tiny_model, cfg, compiled_default_decode)
+    assert checked == {s.graph_id for s in expand(cfg) if s.phase == "decode"}
+
+
+def test_compiled_equals_eager_default_prefill(tiny_model, compiled_default_prefill):
+    cfg = load_preset("default")
+    checked = _check_same(tiny_model, cfg, compiled_default_prefill)
+    assert checked == {s.graph_id for s in expand(cfg) if s.phase == "prefill"}
 
 
 def test_manifest(compiled_batch8):

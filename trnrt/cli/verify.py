@@ -28,6 +28,8 @@ def graph_equiv_cmd(
     only: Annotated[Optional[list[str]], typer.Option("--only", help="Check only this graph id (repeatable).")] = None,
     update_lock: Annotated[bool, typer.Option("--update-lock", help="Write the current hashes into the lock file (prints what changed).")] = False,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the report as JSON to this file.")] = None,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Export every graph again, ignoring fingerprints that "
+                                        "`trnrt compile` or an earlier check stored for this source tree.")] = False,
 ) -> None:
     """Exit 0 when every graph matches its reference, 1 with the first differing node otherwise.
 
@@ -70,11 +72,12 @@ def graph_equiv_cmd(
 
     reports = []
     for p in presets:
-        def on_graph(gid: str, i: int, n: int, _p=p) -> None:
-            err.print(f"  {_p.name}: exporting {gid} ({i + 1}/{n})", highlight=False)
+        def on_graph(gid: str, i: int, n: int, cached: bool, _p=p) -> None:
+            how = "hashed earlier from this source tree (fingerprint cache)" if cached else "exported and hashed"
+            err.print(f"  {_p.name}: {gid} ({i + 1}/{n}) {how}", highlight=False)
 
         try:
-            result = fingerprints_for(str(p.path), flags, dims, only, on_graph=on_graph)
+            result = fingerprints_for(str(p.path), flags, dims, only, on_graph=on_graph, use_cache=not fresh)
         except UnknownVariantError as e:
             err.print(f"[red]error:[/red] {e}")
             raise typer.Exit(2)

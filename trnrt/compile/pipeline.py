@@ -21,6 +21,7 @@ from trnrt.config.presets import compiler_options, graph_settings, preset_hash
 from .backends import Backend, get_backend
 from .catalogue import expand
 from .export import export_spec
+from . import fingerprint_cache
 from .graph_hash import fingerprint
 from .manifest import GraphEntry, Manifest, code_digest, file_sha256, model_config_hash, versions
 
@@ -114,7 +115,9 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
             eg = export_spec(model, state, engine_config, spec)
             entry.inputs, entry.outputs, entry.export_s = eg.inputs, eg.outputs, round(eg.export_s, 3)
             emit(Event(i, len(specs), gid, "hash"))
-            entry.graph_hash = fingerprint(eg.program).hash
+            fp = fingerprint(eg.program)
+            entry.graph_hash = fp.hash
+            fingerprint_cache.put(fingerprint_cache.key(phash, model, engine_config.variants, gid), fp)
             prev = (old.entry(gid) if (old is not None and compatible) else None)
             if _reusable(prev, entry.graph_hash, art_dir, be):
                 entry = GraphEntry(**{**prev.__dict__, "reused": True, "export_s": entry.export_s})

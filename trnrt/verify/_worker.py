@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.meta_path.insert(0, _BaseTreeFinder(Path(a.base_tree)))
     from trnrt.verify.graph_equiv import fingerprints_for
 
-    res = fingerprints_for(a.preset, a.flag, a.dims, a.only)
+    # No fingerprint cache here: its key digests THIS checkout's source, not the base tree's models.
+    res = fingerprints_for(a.preset, a.flag, a.dims, a.only, use_cache=False)
     res["graphs"] = {k: dataclasses.asdict(v) for k, v in res["graphs"].items()}
     Path(a.out).write_text(json.dumps(res))
     return 0

@@ -50,8 +50,13 @@ def model_config_for(dims: str):
 
 
 def fingerprints_for(preset: str, flags: Iterable[str] = (), dims: str = "tiny", only: Iterable[str] | None = None,
-                     on_graph: Callable[[str, int, int], None] | None = None) -> dict:
-    """{"preset_sha256", "model_config_sha256", "graphs": {graph_id: GraphFingerprint}} for a preset."""
+                     on_graph: Callable[[str, int, int, bool], None] | None = None, use_cache: bool = True) -> dict:
+    """{"preset_sha256", "model_config_sha256", "graphs": {graph_id: GraphFingerprint}} for a preset.
+
+    With `use_cache`, a fingerprint that `trnrt compile` or an earlier check stored for the same
+    source tree, preset, model config, flags and graph is read instead of exporting the graph again
+    (trnrt.compile.fingerprint_cache)."""
+    from trnrt.compile import fingerprint_cache
     from trnrt.compile.catalogue import expand
     from trnrt.compile.export import export_spec
     from trnrt.compile.graph_hash import fingerprint
@@ -69,13 +74,20 @@ def fingerprints_for(preset: str, flags: Iterable[str] = (), dims: str = "tiny",
     if only is not None:
         wanted = set(only)
         specs = [s for s in specs if s.graph_id in wanted]
+    psha, msha = preset_hash(p.engine_config), model_config_hash(mcfg)
     graphs = {}
     for i, spec in enumerate(specs):
+        k = fingerprint_cache.key(psha, mcfg, flags, spec.graph_id)
+        fp = fingerprint_cache.get(k) if use_cache else None
+        cached = fp is not None
+        if fp is None:
+            fp = fingerprint(export_spec(model, state, cfg, spec).program)
+            if use_cache:
+                fingerprint_cache.put(k, fp)
+        graphs[spec.graph_id] = fp
         if on_graph:
-            on_graph(spec.graph_id, i, len(specs))
-        graphs[spec.graph_id] = fingerprint(export_spec(model, state, cfg, spec).program)
-    return {"preset_sha256": preset_hash(p.engine_config), "model_config_sha256": model_config_hash(mcfg),
-            "graphs": graphs, "lock_path": str(p.lock_path)}
+            on_graph(spec.graph_id, i, len(specs), cached)
+    return {"preset_sha256": psha, "model_config_sha256": msha, "graphs": graphs, "lock_path": str(p.lock_path)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,15 +268,15 @@ def compare_results(reference: dict, current: dict, preset: str, dims: str, ref_
 
 
 def _fp_to_json(fp) -> dict:
-    return dataclasses.asdict(fp)
+    from trnrt.compile.fingerprint_cache import to_json
+
+    return to_json(fp)
 
 
 def _fp_from_json(d: dict):
-    from trnrt.compile.graph_hash import GraphFingerprint, NodeInfo
+    from trnrt.compile.fingerprint_cache import from_json
 
-    nodes = [NodeInfo(**{**n, "inputs": tuple(n["inputs"])}) for n in d["nodes"]]
-    return GraphFingerprint(hash=d["hash"], nodes=nodes, op_counts=d["op_counts"], num_nodes=d["num_nodes"],
-                            extra=d.get("extra", {}))
+    return from_json(d)
 
 
 def fingerprints_at_ref(ref: str, preset: str, flags: Iterable[str], dims: str, only: Iterable[str] | None,

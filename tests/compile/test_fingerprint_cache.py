@@ -1,0 +1,81 @@
+"""The graph fingerprint cache shared by `trnrt compile` and `trnrt verify graph-equiv`."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from trnrt.cli import app
+from trnrt.compile import fingerprint_cache
+
+GID = "decode-b8-t1-base"
+
+
+@pytest.fixture
+def cache_on(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRNRT_GRAPH_CACHE", "1")
+    monkeypatch.setenv("TRNRT_CACHE_DIR", str(tmp_path))
+    return tmp_path / "graph-fingerprints"
+
+
+def verify(*args: str):
+    return CliRunner().invoke(app, ["verify", "graph-equiv", "--preset", "batch8", "--only", GID, *args],
+                              catch_exceptions=False)
+
+
+def test_verify_stores_then_reuses_fresh_recomputes_and_new_source_misses(cache_on, monkeypatch):
+    r = verify()
+    assert r.exit_code == 0, r.output
+    assert "exported and hashed" in r.output
+    assert len(list(cache_on.glob("*.json"))) == 1
+    r = verify()
+    assert r.exit_code == 0 and "fingerprint cache" in r.output, r.output
+    # The key is the source on disk: an in-process patch is invisible to a cached check (why
+    # tests/conftest.py turns the cache off), and --fresh exports again and sees it.
+    import trnrt.models.glm5_next.model as M
+
+    orig = M.rms_norm
+    monkeypatch.setattr(M, "rms_norm", lambda x, w, eps: orig(x, w, eps * 10))
+    assert verify().exit_code == 0
+    r = verify("--fresh")
+    assert r.exit_code == 1 and "exported and hashed" in r.output, r.output
+    assert len(list(cache_on.glob("*.json"))) == 1  # --fresh neither reads nor stores
+    # another source tree (any .py file of trnrt changed) is another key: exported again
+    monkeypatch.setattr(fingerprint_cache, "source_digest", lambda: "another tree")
+    r = verify()
+    assert r.exit_code == 1 and "exported and hashed" in r.output, r.output
+    assert len(list(cache_on.glob("*.json"))) == 2
+
+
+def test_cache_off_by_env(monkeypatch, tmp_path):
+    from trnrt.compile.graph_hash import GraphFingerprint
+
+    monkeypatch.setenv("TRNRT_CACHE_DIR", str(tmp_path))
+    fp = GraphFingerprint(hash="h", nodes=[], op_counts={}, num_nodes=0)
+    monkeypatch.setenv("TRNRT_GRAPH_CACHE", "0")
+    fingerprint_cache.put("k", fp)
+    assert fingerprint_cache.get("k") is None and not (tmp_path / "graph-fingerprints").exists()
+    monkeypatch.setenv("TRNRT_GRAPH_CACHE", "1")
+    fingerprint_cache.put("k", fp)
+    assert fingerprint_cache.get("k") == fp
+
+
+def test_compile_stores_what_verify_reads(cache_on, tiny_dir, tmp_path):
+    """`trnrt compile` hashes a checkpoint-loaded model (pad id from its tokenizer), verify the bare
+    tiny config: the same graphs, so the same key, and verify reads what compile stored."""
+    r = CliRunner().invoke(app, ["compile", "--preset", "batch8", "--model", str(tiny_dir), "--out",
+                                 str(tmp_path / "art"), "--dry-run", "--only", GID], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert len(list(cache_on.glob("*.json"))) == 1
+    r = verify()
+    assert r.exit_code == 0 and "fingerprint cache" in r.output, r.output
+
+
+def test_key_covers_preset_model_flags_and_graph():
+    from trnrt.verify.graph_equiv import model_config_for
+
+    tiny, real = model_config_for("tiny"), model_config_for("real")
+    k = fingerprint_cache.key("p", tiny, [], GID)
+    assert k == fingerprint_cache.key("p", tiny, [], GID)
+    assert len({k, fingerprint_cache.key("q", tiny, [], GID), fingerprint_cache.key("p", real, [], GID),
+                fingerprint_cache.key("p", tiny, ["penalties"], GID), fingerprint_cache.key("p", tiny, [], "x")}) == 5
