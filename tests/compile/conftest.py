@@ -1,12 +1,14 @@
 """Shared fixtures of the compile tests: one tiny checkpoint and AOTInductor compiles shared per session.
 
-By default every graph of `default` and `batch8` is compiled (16 graphs, ~45-60 s each on a 2-core
-CPU) and checked against eager. The compiles are split into two pytest-xdist groups of about the
-same cost, so `pytest -n 2` (with `--dist loadgroup`, set in pyproject.toml) runs them on both
-workers at once: "compile_a" = default's decode graphs, "compile_b" = batch8's graphs and default's
-prefill graphs. Every test that needs an artifact carries its group's marker, so no worker compiles
-a preset twice. `TRNRT_TEST_COMPILE=subset` compiles only FAST_SUBSET of batch8 (quick local runs;
-the default-preset checks are then skipped).
+By default every graph of `default` and `batch8` is checked against eager (16 graphs, ~45-60 s a
+compile on a 2-core CPU). The compiles are split into two pytest-xdist groups of 7 (compile_groups),
+so `pytest -n 2` (with `--dist loadgroup`, set in pyproject.toml) runs them on both workers at
+once: group A compiles default's DEFAULT_A and then batch8, whose full-table decode-b8 pair is the
+same graph as default's and is copied (trnrt compile reuses an equal-hash artifact of another
+preset under the same --out); group B compiles the rest of default. Every test that needs an
+artifact carries its group's marker, so no worker compiles a preset twice.
+`TRNRT_TEST_COMPILE=subset` compiles only FAST_SUBSET of batch8 (quick local runs; the
+default-preset checks are then skipped).
 
 The compiles run with the fingerprint cache on (trnrt.compile.fingerprint_cache), so a later
 `trnrt verify graph-equiv` in the same environment (CI) reads their graph hashes instead of
@@ -23,7 +25,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # scenario helper
 
-from compile_groups import FAST_SUBSET, SUBSET  # noqa: E402
+from compile_groups import DEFAULT_A, DEFAULT_B, FAST_SUBSET, SUBSET  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -63,35 +65,31 @@ def _compile(preset: str, tiny_dir: Path, out: Path, only: list[str] | None = No
     return out / preset / "cpu"
 
 
-def _ids(preset: str, phase: str) -> list[str]:
-    from trnrt.compile import expand
-    from trnrt.config.presets import load_preset
-
-    return [s.graph_id for s in expand(load_preset(preset)) if s.phase == phase]
-
-
 @pytest.fixture(scope="session")
 def compile_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("artifacts")
 
 
 @pytest.fixture(scope="session")
-def compiled_batch8(tiny_dir, compile_root) -> Path:
-    """Group compile_b."""
-    return _compile("batch8", tiny_dir, compile_root / "b8", FAST_SUBSET["batch8"] if SUBSET else None)
+def compiled_default_a(tiny_dir, compile_root) -> Path:
+    """Group compile_a: DEFAULT_A of the default preset."""
+    if SUBSET:
+        pytest.skip("TRNRT_TEST_COMPILE=subset: the default preset's graphs are not compiled")
+    return _compile("default", tiny_dir, compile_root / "a", DEFAULT_A)
 
 
 @pytest.fixture(scope="session")
-def compiled_default_decode(tiny_dir, compile_root) -> Path:
-    """Group compile_a."""
+def compiled_batch8(tiny_dir, compile_root, request) -> Path:
+    """Group compile_a: after compiled_default_a, into the same --out (reuses its decode-b8 pair)."""
     if SUBSET:
-        pytest.skip("TRNRT_TEST_COMPILE=subset: the default preset's graphs are not compiled")
-    return _compile("default", tiny_dir, compile_root / "da", _ids("default", "decode"))
+        return _compile("batch8", tiny_dir, compile_root / "a", FAST_SUBSET["batch8"])
+    request.getfixturevalue("compiled_default_a")
+    return _compile("batch8", tiny_dir, compile_root / "a")
 
 
 @pytest.fixture(scope="session")
-def compiled_default_prefill(tiny_dir, compile_root) -> Path:
-    """Group compile_b."""
+def compiled_default_b(tiny_dir, compile_root) -> Path:
+    """Group compile_b: DEFAULT_B of the default preset."""
     if SUBSET:
         pytest.skip("TRNRT_TEST_COMPILE=subset: the default preset's graphs are not compiled")
-    return _compile("default", tiny_dir, compile_root / "dp", _ids("default", "prefill"))
+    return _compile("default", tiny_dir, compile_root / "b", DEFAULT_B)

@@ -20,9 +20,9 @@ from trnrt.compile.manifest import Manifest
 from trnrt.config.presets import load_preset, read_preset
 from trnrt.verify.graph_equiv import read_lock
 
-from compile_groups import GROUP_A, GROUP_B, SUBSET
+from compile_groups import DEFAULT_A, DEFAULT_B, GROUP_A, GROUP_B, SUBSET
 
-pytestmark = GROUP_B  # every test here shares the batch8 / default-prefill compiles (see conftest)
+pytestmark = GROUP_A  # the tests here share group A's compiles (default's DEFAULT_A, batch8), see conftest
 
 LOGPROB_TOL = 1e-4  # fp32; Inductor fuses and reorders reductions, so bits may differ
 
@@ -78,19 +78,23 @@ def test_compiled_equals_eager_batch8(tiny_model, compiled_batch8):
     checked = _check_same(tiny_model, load_preset("batch8"), compiled_batch8)
     if not SUBSET:
         assert checked == {s.graph_id for s in expand(load_preset("batch8"))}
+        # its full-table decode-b8 pair is default's graph: copied from there, not compiled again
+        man = Manifest.read(compiled_batch8)
+        assert {g.id for g in man.graphs if g.reused} == {"decode-b8-t1-base", "decode-b8-t1-base-greedy"}
 
 
-@GROUP_A
-def test_compiled_equals_eager_default_decode(tiny_model, compiled_default_decode):
-    cfg = load_preset("default")
-    checked = _check_same(tiny_model, cfg, compiled_default_decode)
-    assert checked == {s.graph_id for s in expand(cfg) if s.phase == "decode"}
+def test_default_groups_cover_the_catalogue():
+    ids = {s.graph_id for s in expand(load_preset("default"))}
+    assert set(DEFAULT_A) | set(DEFAULT_B) == ids and not set(DEFAULT_A) & set(DEFAULT_B)
 
 
-def test_compiled_equals_eager_default_prefill(tiny_model, compiled_default_prefill):
-    cfg = load_preset("default")
-    checked = _check_same(tiny_model, cfg, compiled_default_prefill)
-    assert checked == {s.graph_id for s in expand(cfg) if s.phase == "prefill"}
+def test_compiled_equals_eager_default_a(tiny_model, compiled_default_a):
+    assert _check_same(tiny_model, load_preset("default"), compiled_default_a) == set(DEFAULT_A)
+
+
+@GROUP_B
+def test_compiled_equals_eager_default_b(tiny_model, compiled_default_b):
+    assert _check_same(tiny_model, load_preset("default"), compiled_default_b) == set(DEFAULT_B)
 
 
 def test_manifest(compiled_batch8):

@@ -8,6 +8,8 @@ The manifest is rewritten after every graph, so an interrupted run keeps what it
 
 from __future__ import annotations
 
+import shutil
+
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +61,41 @@ def _reusable(old: GraphEntry | None, new_hash: str, art_dir: Path, backend: Bac
     path = art_dir / old.artifact
     return path.is_file() and path.stat().st_size == old.bytes and file_sha256(path) == old.artifact_sha256 and \
         all((art_dir / f).is_file() for f in old.files)
+
+
+def _same_graph_elsewhere(out: Path, backend: Backend, art_dir: Path, graph_hash: str, mhash: str, vers: dict,
+                          opts: dict) -> tuple[Path, GraphEntry] | None:
+    """An up-to-date artifact of the same graph (equal hash) that another preset under `out`
+    compiled with this backend, model config, torch build / machine and compiler options."""
+    for man_path in sorted(Path(out).glob(f"*/{backend.name}/manifest.json")):
+        other = man_path.parent
+        if other.resolve() == art_dir.resolve():
+            continue
+        try:
+            man = Manifest.read(other)
+        except Exception:
+            continue
+        if man.model_config_sha256 != mhash or man.versions != vers or man.compiler != opts:
+            continue
+        for g in man.graphs:
+            if g.graph_hash == graph_hash and g.status == "ok" and _reusable(g, graph_hash, other, backend):
+                return other, g
+    return None
+
+
+def _copy_entry(src_dir: Path, src: GraphEntry, art_dir: Path, gid: str) -> tuple[list[str], str | None]:
+    """Copy `src`'s files into art_dir under `gid`'s names; returns (files, artifact)."""
+    files = []
+    for f in src.files:
+        name = Path(f).name.replace(src.id, gid, 1)
+        dst = Path(f).parent / name
+        (art_dir / dst).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src_dir / f, art_dir / dst)
+        files.append(str(dst))
+    artifact = None
+    if src.artifact is not None:
+        artifact = str(Path(src.artifact).parent / Path(src.artifact).name.replace(src.id, gid, 1))
+    return files, artifact
 
 
 def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConfig, *, backend: str,
@@ -124,6 +161,18 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
                 results[gid] = entry
                 write()
                 emit(Event(i, len(specs), gid, "reused", entry))
+                continue
+            shared = None if dry_run or not be.produces_artifacts else \
+                _same_graph_elsewhere(out, be, art_dir, entry.graph_hash, mhash, vers, opts)
+            if shared is not None:  # another preset compiled this very graph: copy, don't recompile
+                src_dir, src = shared
+                entry.files, entry.artifact = _copy_entry(src_dir, src, art_dir, gid)
+                entry.status, entry.compile_s, entry.bytes, entry.reused = "ok", 0.0, src.bytes, True
+                entry.artifact_sha256 = src.artifact_sha256
+                results[gid] = entry
+                write()
+                emit(Event(i, len(specs), gid, "reused", entry,
+                           f"same graph as {src_dir.parent.name}'s {src.id}: copied, not recompiled"))
                 continue
             if dry_run:
                 entry.status = "exported"

@@ -47,23 +47,20 @@ void collapse_row(const float* mix, const scalar_t* x, const float* base, const 
     for (int64_t j = 0; j < n; ++j) row[j] = row[j] / s + hc_eps;
   }
   // Truncated Sinkhorn: 1 column normalisation, then (iters - 1) row + column pairs.
-  auto cols = [&]() {
-    for (int64_t j = 0; j < n; ++j) {
+  // normalise(line, elem): each line of n entries (entry k at line * line + k * elem) / (sum + eps).
+  auto normalise = [&](int64_t line, int64_t elem) {
+    for (int64_t a = 0; a < n; ++a) {
+      float* v = comb + a * line;
       float s = 0.0f;
-      for (int64_t i = 0; i < n; ++i) s += comb[i * n + j];
+      for (int64_t k = 0; k < n; ++k) s += v[k * elem];
       s += hc_eps;
-      for (int64_t i = 0; i < n; ++i) comb[i * n + j] = comb[i * n + j] / s;
+      for (int64_t k = 0; k < n; ++k) v[k * elem] = v[k * elem] / s;
     }
   };
-  cols();
+  normalise(1, n);  // columns
   for (int64_t it = 1; it < iters; ++it) {
-    for (int64_t i = 0; i < n; ++i) {
-      float s = 0.0f;
-      for (int64_t j = 0; j < n; ++j) s += comb[i * n + j];
-      s += hc_eps;
-      for (int64_t j = 0; j < n; ++j) comb[i * n + j] = comb[i * n + j] / s;
-    }
-    cols();
+    normalise(n, 1);  // rows
+    normalise(1, n);  // columns
   }
   // collapsed[d] = sum_i pre[i] * x[i, d]: fp32 products and sum, cast to the stream dtype.
   for (int64_t k = 0; k < d; ++k) {
