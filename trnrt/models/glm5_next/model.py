@@ -135,7 +135,7 @@ def hc_coefficients(
 
 
 def fused_kernels(x: torch.Tensor) -> bool:
-    """Whether the eager step may use trnrt's fused C++ mHC kernels (trnrt/models/kernels) for x.
+    """Whether the eager step may use trnrt's fused C++ CPU kernels (trnrt/models/kernels) for x.
 
     Static facts only (loaded library, device, export or not), never tensor values. Under
     torch.export / torch.compile the plain PyTorch path is traced, so graphs never hold the ops."""
@@ -273,6 +273,10 @@ class _Meta:
     tail_gather: torch.Tensor | None  # [B, kpool-1] (extend only) index into ext of the new right-aligned tail
     pool_cand: torch.Tensor  # [B, S, P] bool, pool complete and its last token visible
     tail_mask: torch.Tensor  # [B, S, T] bool, visible open-pool tokens (always selected)
+
+    @property
+    def block_size(self) -> int:
+        return self.T // self.block_tables.shape[1]
 
 
 def _make_meta(cfg: Glm5NextConfig, batch: ForwardBatch, block_size: int) -> _Meta:
@@ -567,7 +571,7 @@ class Indexer(nn.Module):
         blk, off, visible, pool_mask = torch.ops.trnrt.indexer_decode(
             k[:, 0], gs[:, 0], q, hw_x[:, 0], state.tail, state.pooled, self.full_idx,
             self.index_kpool_compress_ape, meta.block_tables, meta.slot_ids, meta.pos[:, 0], meta.valid[:, 0],
-            meta.pool_blk, meta.pool_off, self.cfg.index_topk // self.kp, meta.T // meta.block_tables.shape[1],
+            meta.pool_blk, meta.pool_off, self.cfg.index_topk // self.kp, meta.block_size,
         )
         index_probe(pool_mask, meta)
         return Selection(blk=blk, off=off, visible=visible)
@@ -590,8 +594,7 @@ def _decode_selection(sel: torch.Tensor, sel_ok: torch.Tensor, meta: _Meta, kp: 
     Selected pools are complete and the open pool is not, so the two token sets never overlap;
     a row with fewer candidates than k has its surplus picks marked invisible. Padding rows see
     everything they gathered (any finite row will do: their outputs are never read)."""
-    B = sel.shape[0]
-    bs = meta.T // meta.block_tables.shape[1]
+    B, bs = sel.shape[0], meta.block_size
     ar = torch.arange(kp, device=sel.device)
     pool_tok = (sel[:, 0, :, None] * kp + ar).reshape(B, -1)  # [B, k*kp]
     pool_vis = sel_ok[:, 0, :, None].expand(-1, -1, kp).reshape(B, -1)
