@@ -1,14 +1,10 @@
 """Shared fixtures of the compile tests: one tiny checkpoint and AOTInductor compiles shared per session.
 
-By default every graph of `default` and `batch8` is checked against eager (16 graphs, ~45-60 s a
-compile on a 2-core CPU). The compiles are split into two pytest-xdist groups of 7 (compile_groups),
-so `pytest -n 2` (with `--dist loadgroup`, set in pyproject.toml) runs them on both workers at
-once: group A compiles default's DEFAULT_A and then batch8, whose full-table decode-b8 pair is the
-same graph as default's and is copied (trnrt compile reuses an equal-hash artifact of another
-preset under the same --out); group B compiles the rest of default. Every test that needs an
-artifact carries its group's marker, so no worker compiles a preset twice.
-`TRNRT_TEST_COMPILE=subset` compiles only FAST_SUBSET of batch8 (quick local runs; the
-default-preset checks are then skipped).
+Which graphs are compiled is set by TRNRT_TEST_COMPILE (compile_groups.py): by default every
+bucket of `default` and `batch8`. The compiles run as two `trnrt compile` processes in parallel
+(one session fixture, `compiled`), so both cores compile whatever pytest-xdist does with the other
+tests; every test that reads an artifact is in the xdist group "compile", so the compiles happen
+once per session.
 
 The compiles run with the fingerprint cache on (trnrt.compile.fingerprint_cache), so a later
 `trnrt verify graph-equiv` in the same environment (CI) reads their graph hashes instead of
@@ -18,6 +14,7 @@ exporting every graph again; tests/conftest.py keeps it off for every other test
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # scenario helper
 
-from compile_groups import DEFAULT_A, DEFAULT_B, FAST_SUBSET, SUBSET  # noqa: E402
+from compile_groups import BATCH8, DEFAULT_A, DEFAULT_B, SUBSET  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -44,52 +41,52 @@ def tiny_model(tiny_dir):
     return load_model(tiny_dir, torch.float32)
 
 
-def _compile(preset: str, tiny_dir: Path, out: Path, only: list[str] | None = None) -> Path:
-    from typer.testing import CliRunner
-
-    from trnrt.cli import app
-
-    args = ["compile", "--preset", preset, "--model", str(tiny_dir), "--out", str(out), "--backend", "cpu"]
-    for gid in only or []:
-        args += ["--only", gid]
-    before = os.environ.get("TRNRT_GRAPH_CACHE")
-    os.environ["TRNRT_GRAPH_CACHE"] = "1"  # store the fingerprints for a later graph-equiv (see above)
-    try:
-        r = CliRunner().invoke(app, args, catch_exceptions=False)
-    finally:
-        if before is None:
-            os.environ.pop("TRNRT_GRAPH_CACHE", None)
-        else:
-            os.environ["TRNRT_GRAPH_CACHE"] = before
-    assert r.exit_code == 0, r.output
-    return out / preset / "cpu"
+def _job(tiny_dir: Path, out: Path, steps: list[tuple[str, list[str]]]) -> subprocess.Popen:
+    """One process running `trnrt compile` for each (preset, graph ids) in turn, into `out`."""
+    cmds = []
+    for preset, only in steps:
+        args = [sys.executable, "-m", "trnrt", "compile", "--preset", preset, "--model", str(tiny_dir),
+                "--out", str(out), "--backend", "cpu"]
+        for gid in only:
+            args += ["--only", gid]
+        cmds.append(args)
+    script = "import subprocess, sys\nfor c in %r:\n    subprocess.run(c, check=True)\n" % (cmds,)
+    # store the graph fingerprints for a later graph-equiv (see above)
+    env = {**os.environ, "TRNRT_GRAPH_CACHE": "1"}
+    log = open(out.parent / f"{out.name}.log", "w")
+    return subprocess.Popen([sys.executable, "-c", script], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 @pytest.fixture(scope="session")
-def compile_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("artifacts")
+def compiled(tiny_dir, tmp_path_factory) -> dict[str, Path]:
+    """{"default_a", "default_b", "batch8"}: artifact directories (absent keys: not compiled)."""
+    root = tmp_path_factory.mktemp("artifacts")
+    jobs = {"a": [("batch8", BATCH8)]} if SUBSET else \
+        {"a": [("default", DEFAULT_A), ("batch8", BATCH8)], "b": [("default", DEFAULT_B)]}
+    procs = {k: _job(tiny_dir, root / k, steps) for k, steps in jobs.items()}
+    for k, p in procs.items():
+        rc = p.wait()
+        assert rc == 0, f"compile job {k} failed:\n" + (root / f"{k}.log").read_text()[-4000:]
+    dirs = {"batch8": root / "a" / "batch8" / "cpu"}
+    if not SUBSET:
+        dirs.update(default_a=root / "a" / "default" / "cpu", default_b=root / "b" / "default" / "cpu")
+    return dirs
 
 
 @pytest.fixture(scope="session")
-def compiled_default_a(tiny_dir, compile_root) -> Path:
-    """Group compile_a: DEFAULT_A of the default preset."""
-    if SUBSET:
+def compiled_batch8(compiled) -> Path:
+    return compiled["batch8"]
+
+
+@pytest.fixture(scope="session")
+def compiled_default_a(compiled) -> Path:
+    if "default_a" not in compiled:
         pytest.skip("TRNRT_TEST_COMPILE=subset: the default preset's graphs are not compiled")
-    return _compile("default", tiny_dir, compile_root / "a", DEFAULT_A)
+    return compiled["default_a"]
 
 
 @pytest.fixture(scope="session")
-def compiled_batch8(tiny_dir, compile_root, request) -> Path:
-    """Group compile_a: after compiled_default_a, into the same --out (reuses its decode-b8 pair)."""
-    if SUBSET:
-        return _compile("batch8", tiny_dir, compile_root / "a", FAST_SUBSET["batch8"])
-    request.getfixturevalue("compiled_default_a")
-    return _compile("batch8", tiny_dir, compile_root / "a")
-
-
-@pytest.fixture(scope="session")
-def compiled_default_b(tiny_dir, compile_root) -> Path:
-    """Group compile_b: DEFAULT_B of the default preset."""
-    if SUBSET:
+def compiled_default_b(compiled) -> Path:
+    if "default_b" not in compiled:
         pytest.skip("TRNRT_TEST_COMPILE=subset: the default preset's graphs are not compiled")
-    return _compile("default", tiny_dir, compile_root / "b", DEFAULT_B)
+    return compiled["default_b"]
