@@ -267,18 +267,6 @@ def compare_results(reference: dict, current: dict, preset: str, dims: str, ref_
 # --base-ref: the same computation in a worktree of another revision
 
 
-def _fp_to_json(fp) -> dict:
-    from trnrt.compile.fingerprint_cache import to_json
-
-    return to_json(fp)
-
-
-def _fp_from_json(d: dict):
-    from trnrt.compile.fingerprint_cache import from_json
-
-    return from_json(d)
-
-
 def fingerprints_at_ref(ref: str, preset: str, flags: Iterable[str], dims: str, only: Iterable[str] | None,
                         repo: Path | None = None) -> dict:
     """fingerprints_for() at git revision `ref`: the model and engine code of `ref`, this hasher.
@@ -314,7 +302,9 @@ def fingerprints_at_ref(ref: str, preset: str, flags: Iterable[str], dims: str, 
             data = json.loads(out.read_text())
         finally:
             subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(wt)], capture_output=True)
-    data["graphs"] = {k: _fp_from_json(v) for k, v in data["graphs"].items()}
+    from trnrt.compile.fingerprint_cache import from_json
+
+    data["graphs"] = {k: from_json(v) for k, v in data["graphs"].items()}
     return data
 
 
