@@ -1,7 +1,7 @@
 """Shared fixtures of the compile tests: one tiny checkpoint and AOTInductor compiles shared per session.
 
-Which graphs are compiled is set by TRNRT_TEST_COMPILE (compile_groups.py): by default every
-bucket of `default` and `batch8`. The compiles run as two `trnrt compile` processes in parallel
+Which graphs are compiled is set by TRNRT_TEST_COMPILE (compile_groups.py): by default (CI) three
+of batch8's; `buckets` = every bucket of `default` and `batch8`, `every` = all 16 graphs. The compiles run as two `trnrt compile` processes in parallel
 (one session fixture, `compiled`), so both cores compile whatever pytest-xdist does with the other
 tests; every test that reads an artifact is in the xdist group "compile", so the compiles happen
 once per session.
