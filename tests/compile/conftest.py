@@ -53,8 +53,8 @@ def _job(tiny_dir: Path, out: Path, steps: list[tuple[str, list[str]]]) -> subpr
     script = "import subprocess, sys\nfor c in %r:\n    subprocess.run(c, check=True)\n" % (cmds,)
     # store the graph fingerprints for a later graph-equiv (see above)
     env = {**os.environ, "TRNRT_GRAPH_CACHE": "1"}
-    log = open(out.parent / f"{out.name}.log", "w")
-    return subprocess.Popen([sys.executable, "-c", script], env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(out.parent / f"{out.name}.log", "w") as log:  # the child keeps its own copy of the fd
+        return subprocess.Popen([sys.executable, "-c", script], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 @pytest.fixture(scope="session")
