@@ -12,14 +12,11 @@ os.environ["TRNRT_GRAPH_CACHE"] = "0"
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Run the tests of xdist group "compile" last (a stable reorder, the same in every worker).
+    """Run the tests that need compiled artifacts (the session fixture `compiled`,
+    tests/compile/conftest.py: two `trnrt compile` processes, minutes) last: a stable reorder, the
+    same in every pytest-xdist worker. Queued first, the waiting fixture held its worker while the
+    other ran dry at the end; queued last, both workers run the quick tests while nothing compiles."""
+    def needs_compile(item) -> bool:
+        return "compiled" in getattr(item, "fixturenames", ())
 
-    With `--dist loadgroup` the group is one unit of work that waits on the session's compile
-    fixture (two `trnrt compile` processes, minutes). Queued first, it held back the tests queued
-    behind it on its worker while the other worker ran dry; queued last, the other worker keeps
-    taking tests while the compile processes use the cores."""
-    def in_compile_group(item) -> bool:
-        m = item.get_closest_marker("xdist_group")
-        return m is not None and (m.args[:1] == ("compile",) or m.kwargs.get("name") == "compile")
-
-    items[:] = [i for i in items if not in_compile_group(i)] + [i for i in items if in_compile_group(i)]
+    items[:] = [i for i in items if not needs_compile(i)] + [i for i in items if needs_compile(i)]
