@@ -1,20 +1,20 @@
 """Which graphs the compile tests compile (see conftest.py), by TRNRT_TEST_COMPILE:
 
-- "subset" (default, CI): three of batch8's graphs (FAST_SUBSET). CI's 2 cores cannot afford more:
-  with "buckets" the CI run took 17 min (measured), over its ~15 min budget.
-- "buckets": every bucket of `default` and `batch8` (each decode batch x context and each prefill
-  token bucket) with the full sampler, plus batch8's short-context greedy graph (the greedy
-  sampler, what `trnrt bench` runs): 11 graphs, 10 compiles (batch8's full-table decode-b8 graph is
-  default's, copied). The other greedy twins differ from a checked graph only in the sampler;
-  graph-equiv pins their hashes.
-- "every": all 16 graphs (~15 min of CPU on this kind of machine).
+- "buckets" (default, CI): every bucket of `default` and `batch8` (each decode batch x context
+  and each prefill token bucket) with the full sampler, plus batch8's short-context greedy graph
+  (the greedy sampler, what `trnrt bench` runs): 11 graphs, 10 compiles (batch8's full-table
+  decode-b8 graph is default's, copied). The other greedy twins differ from a checked graph only
+  in the sampler; graph-equiv pins their hashes. A fresh-clone `.ci/run` with it: 8 min 50 s on
+  2 cores (measured; it took 16 min while every xdist worker compiled its own copy, see conftest).
+- "every": all 16 graphs (14 compiles).
+- "subset": three of batch8's graphs (FAST_SUBSET), for a quick local run.
 """
 
 from __future__ import annotations
 
 import os
 
-MODE = os.environ.get("TRNRT_TEST_COMPILE", "subset")
+MODE = os.environ.get("TRNRT_TEST_COMPILE", "buckets")
 if MODE not in ("buckets", "every", "subset"):
     raise ValueError(f"TRNRT_TEST_COMPILE must be buckets, every or subset, got {MODE!r}")
 SUBSET = MODE == "subset"

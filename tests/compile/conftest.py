@@ -1,7 +1,8 @@
 """Shared fixtures of the compile tests: one tiny checkpoint and AOTInductor compiles shared per session.
 
-Which graphs are compiled is set by TRNRT_TEST_COMPILE (compile_groups.py): by default (CI) three
-of batch8's; `buckets` = every bucket of `default` and `batch8`, `every` = all 16 graphs. The compiles run as two `trnrt compile` processes in parallel
+Which graphs are compiled is set by TRNRT_TEST_COMPILE (compile_groups.py): by default (CI)
+`buckets` = every bucket of `default` and `batch8`; `every` = all 16 graphs, `subset` = three of
+batch8's. The compiles run as two `trnrt compile` processes in parallel
 (one session fixture, `compiled`), once per test session: the first pytest-xdist worker to need
 them compiles under a file lock, the other waits and reuses the artifacts. Tests must not change
 the shared artifacts (copy them first).
