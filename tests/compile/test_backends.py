@@ -82,3 +82,73 @@ def test_dry_run_and_eager_backend(tiny_dir, tiny_model, tmp_path):
     assert r.exit_code == 0, r.output
     e = Manifest.read(tmp_path / "batch8" / "cpu").entry(gid)
     assert e.status == "exported" and e.artifact is None and e.graph_hash == man.entry(gid).graph_hash
+
+
+def _fake_package(path, json_body: bytes = b"{}", so: bool = True) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("g/data/aotinductor/model/x.wrapper.cpp", "// code")
+        z.writestr("g/data/aotinductor/model/x.wrapper_metadata.json", json_body)
+        if so:
+            z.writestr("g/data/aotinductor/model/x.wrapper.so", b"\x7fELF")
+
+
+def test_check_package_refuses_empty_metadata_and_missing_library(tmp_path):
+    from trnrt.compile.backends import check_package
+
+    good, empty, noso = tmp_path / "good.pt2", tmp_path / "empty.pt2", tmp_path / "noso.pt2"
+    _fake_package(good)
+    _fake_package(empty, json_body=b"")
+    _fake_package(noso, so=False)
+    check_package(good)
+    with pytest.raises(RuntimeError, match="x.wrapper_metadata.json is empty"):
+        check_package(empty)
+    with pytest.raises(RuntimeError, match="without a shared library"):
+        check_package(noso)
+
+
+def test_identical_compiles_are_serialised_across_callers(tmp_path, monkeypatch):
+    """Two compiles of the same graph and options never run AOTInductor at the same time (they
+    would write the same files in Inductor's cache); two different graphs do run together."""
+    import threading
+    import time as _time
+    from types import SimpleNamespace
+
+    import torch._inductor
+    from torch._inductor.runtime import cache_dir_utils
+
+    from trnrt.compile.backends import CpuBackend
+
+    monkeypatch.setattr(cache_dir_utils, "cache_dir", lambda: str(tmp_path / "inductor"))
+    active, peak, lock = [0], [0], threading.Lock()
+    started = threading.Barrier(2, timeout=5)
+
+    def fake_compile(program, package_path, inductor_configs):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        _time.sleep(0.3)
+        _fake_package(package_path)
+        with lock:
+            active[0] -= 1
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fake_compile)
+    program = SimpleNamespace(graph_signature=SimpleNamespace(input_specs=[]), constants={})
+
+    def run(hashes):
+        peak[0] = 0
+        threads = []
+        for i, h in enumerate(hashes):
+            g = SimpleNamespace(spec=SimpleNamespace(graph_id=f"g{i}"), program=program, graph_hash=h)
+            t = threading.Thread(target=lambda g=g, i=i: (started.wait(),
+                                                          CpuBackend().compile(g, tmp_path / f"art{i}", {})))
+            threads.append(t)
+            t.start()
+        for t in threads:
+            t.join()
+        return peak[0]
+
+    assert run(["same", "same"]) == 1
+    assert run(["one", "other"]) == 2
+    assert (tmp_path / "inductor" / "trnrt-locks").is_dir()

@@ -14,9 +14,13 @@ into the .so (measured: a 4-element bias came out frozen at its compile-time val
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib
+import json
 import shutil
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -102,9 +106,11 @@ class CpuBackend(Backend):
         gid = graph.spec.graph_id
         pkg = gdir / f"{gid}.pt2"
         files = [f"graphs/{gid}.pt2"]
+        configs = {**self.BASE_OPTIONS, **dict(options.get("inductor", {}))}
         t0 = time.perf_counter()
-        aoti_compile_and_package(graph.program, package_path=str(pkg),
-                                 inductor_configs={**self.BASE_OPTIONS, **dict(options.get("inductor", {}))})
+        with identical_compile_lock(graph.graph_hash, configs):
+            aoti_compile_and_package(graph.program, package_path=str(pkg), inductor_configs=configs)
+        check_package(pkg)
         # Lifted tensor constants (tensors the step creates from Python data at trace time) are
         # part of the graph, not the model: keep them beside the package for load().
         # (ep.constants also holds the model's non-persistent buffers: those come from the model.)
@@ -139,6 +145,42 @@ class CpuBackend(Backend):
 
         run.runner = runner  # keeps the loaded .so alive with the callable
         return run
+
+
+def identical_compile_lock(graph_hash: str, configs: dict):
+    """Serialises compiles of the same graph with the same options across processes.
+
+    AOTInductor writes its intermediate files (kernel and wrapper C++, metadata JSON, .so) into
+    the shared Inductor cache directory under names derived from the generated code, and rewrites
+    them in place; two processes compiling the same graph at once (e.g. `trnrt compile` of two
+    presets that share a graph, side by side) write the same files, and one package came out with
+    an empty metadata file (seen in the compile tests). Different graphs never wait on each other.
+    """
+    if not graph_hash:
+        return contextlib.nullcontext()
+    from filelock import FileLock
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    key = hashlib.sha256(json.dumps([graph_hash, configs], sort_keys=True, default=str).encode()).hexdigest()[:32]
+    locks = Path(cache_dir()) / "trnrt-locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(locks / f"{key}.lock"))
+
+
+def check_package(pkg: Path) -> None:
+    """Raises if an AOTInductor package is incomplete: no shared library, or a metadata JSON
+    file that is empty or not JSON (loading it would fail later with a bare parse error)."""
+    with zipfile.ZipFile(pkg) as z:
+        names = z.namelist()
+        if not any(n.endswith(".so") for n in names):
+            raise RuntimeError(f"{pkg.name}: AOTInductor wrote a package without a shared library")
+        for n in names:
+            if n.endswith(".json"):
+                try:
+                    json.loads(z.read(n) or b"!")
+                except ValueError:
+                    raise RuntimeError(f"{pkg.name}: AOTInductor wrote an incomplete package ({n} is empty or "
+                                       f"not JSON; was the same graph compiled elsewhere at the same time?)") from None
 
 
 class CudaBackend(Backend):

@@ -193,6 +193,7 @@ class ExportedGraph:
     inputs: list[dict]  # name, shape, dtype (step inputs, then state tensors)
     outputs: list[dict]  # name, shape, dtype
     export_s: float
+    graph_hash: str = ""  # set by the pipeline once hashed (graph_hash.fingerprint)
 
 
 def vocab_size_of(model: nn.Module) -> int:

@@ -153,7 +153,7 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
             entry.inputs, entry.outputs, entry.export_s = eg.inputs, eg.outputs, round(eg.export_s, 3)
             emit(Event(i, len(specs), gid, "hash"))
             fp = fingerprint(eg.program)
-            entry.graph_hash = fp.hash
+            entry.graph_hash = eg.graph_hash = fp.hash
             fingerprint_cache.put(fingerprint_cache.key(phash, model, engine_config.variants, gid), fp)
             prev = (old.entry(gid) if (old is not None and compatible) else None)
             if _reusable(prev, entry.graph_hash, art_dir, be):
