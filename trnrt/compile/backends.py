@@ -160,12 +160,11 @@ def _flat_boxed_run(runner, num_inputs: int):
     loader = getattr(runner, "loader", None)
     if loader is None or not hasattr(loader, "boxed_run"):
         return None
-    specs, call = loader.get_call_spec(), loader.boxed_run
-    in_spec, out_spec = (pytree.treespec_loads(s) for s in specs)
+    in_spec, out_spec = (pytree.treespec_loads(s) for s in loader.get_call_spec())
     flat_in = in_spec.num_leaves == num_inputs and in_spec.unflatten(list(range(num_inputs))) == \
         (tuple(range(num_inputs)), {})
     flat_out = out_spec.type is tuple and all(c.is_leaf() for c in out_spec.children())
-    return call if flat_in and flat_out else None
+    return loader.boxed_run if flat_in and flat_out else None
 
 
 def identical_compile_lock(graph_hash: str, configs: dict):
