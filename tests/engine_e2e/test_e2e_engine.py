@@ -445,3 +445,71 @@ def test_decode_context_buckets_cut_the_block_table_and_keep_greedy_tokens(model
         assert_clean(engine)
     finally:
         engine.shutdown()
+
+
+# -- delivery ----------------------------------------------------------------------------------
+
+
+def test_non_streamed_and_interval_requests_get_the_same_result_in_fewer_outputs(eos_engine, tokenizer):
+    """stream=False: one output, at the end, equal to the streamed request's concatenation (tokens,
+    text, logprobs, finish reason), with a stop string and with seeded sampling; a stream interval
+    of 3 delivers ceil(n / 3) outputs of the same content."""
+    engine = eos_engine
+    ids = tokenizer.encode(CJK_PROMPT, add_special_tokens=False)
+    streamed_ref = run(engine, ids, max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    stop = streamed_ref.text[-3:]  # a stop string the greedy output reaches
+    cases = [dict(max_new_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2),
+             dict(max_new_tokens=10, temperature=0.0, ignore_eos=True, stop=[stop]),
+             dict(max_new_tokens=10, temperature=1.0, seed=7, ignore_eos=True, logprobs=0)]
+    for params in cases:
+        results = {}
+        for mode in ("stream", "final", "interval"):
+            req = GenerateRequest(prompt_token_ids=list(ids), sampling_params=SamplingParams(**params),
+                                  stream=mode != "final")
+            engine.stream_interval = 3 if mode == "interval" else 1
+            try:
+                stream = engine.submit(req)
+            finally:
+                engine.stream_interval = 1
+            got, lps = Collected(req.request_id), []
+            while not got.finished:
+                out = stream.get(timeout=60)
+                assert out is not None
+                got.add(out)
+                lps.extend(out.new_logprobs or [])
+            results[mode] = (got, lps)
+        ref, ref_lps = results["stream"]
+        assert ref.num_outputs >= 4  # so both other modes really merged outputs
+        if params.get("stop"):
+            assert ref.finish_reason.type == "stop" and ref.finish_reason.matched == stop
+        for mode in ("final", "interval"):
+            got, lps = results[mode]
+            assert (got.output_ids, got.text, got.finish_reason, got.error) == \
+                (ref.output_ids, ref.text, ref.finish_reason, ref.error), (mode, params)
+            assert [(lp.token_id, lp.logprob, lp.top) for lp in lps] == \
+                [(lp.token_id, lp.logprob, lp.top) for lp in ref_lps]
+        assert results["final"][0].num_outputs == 1
+        assert results["interval"][0].num_outputs == -(-ref.num_outputs // 3)
+    assert_clean(engine)
+
+
+def test_non_streamed_request_aborted_mid_decode_gets_its_tokens_in_one_output(small_engine, tokenizer):
+    engine = small_engine
+    ids = tokenizer.encode("Tell me a long story", add_special_tokens=False)
+    out = greedy(engine, ids, N_NEW)
+    req = GenerateRequest(prompt_token_ids=ids, sampling_params=SamplingParams(max_new_tokens=N_NEW, temperature=0.0,
+                                                                               ignore_eos=True), stream=False)
+    decodes = []
+
+    def after(rows, results):
+        slot = slot_of(engine, req.request_id)
+        if any(r.slot_id == slot and len(r.token_ids) == 1 for r in rows):
+            decodes.append(1)
+            if len(decodes) == 2:
+                engine.abort(req.request_id)
+
+    with hook_execute(engine, after=after):
+        r = collect(engine.submit(req))
+    assert r.finish_reason.type == "abort" and r.num_outputs == 1
+    assert r.output_ids == out[:3]  # the prefill's token and two decodes
+    assert_clean(engine)

@@ -78,3 +78,25 @@ def test_greedy_sampler_equals_full_sampler_on_greedy_rows():
     greedy = sample_greedy(logits, 5)
     for a, b in zip(full, greedy):
         assert torch.equal(a, b)
+
+
+def test_top_n_two_stage_equals_topk(monkeypatch):
+    from trnrt.engine import sampler
+
+    calls = []
+    real_topk = torch.topk
+    monkeypatch.setattr(sampler.torch, "topk", lambda x, k, **kw: calls.append(x.shape[-1]) or real_topk(x, k, **kw))
+    torch.manual_seed(3)
+    x = torch.log_softmax(torch.randn(6, 4096) * 3, -1)
+    # the hard cases: every top-20 value in one chunk, and the top-20 in 20 different chunks
+    x[1, 160:176] = torch.linspace(5, 6, 16)
+    x[1, 176:192] = torch.linspace(4, 4.9, 16)
+    x[2, ::200] = torch.linspace(3, 4, x[2, ::200].numel())
+    values, ids = sampler.top_n(x, 20)
+    ref = real_topk(x, 20, dim=-1)
+    assert torch.equal(values, ref.values) and torch.equal(ids, ref.indices)
+    assert calls == [4096 // sampler._TOP_N_CHUNK, 20 * sampler._TOP_N_CHUNK]  # two small topks, no full one
+    calls.clear()
+    small = torch.randn(3, 300)  # too few chunks: plain topk
+    v, i = sampler.top_n(small, 5)
+    assert calls == [300] and torch.equal(i, real_topk(small, 5).indices)

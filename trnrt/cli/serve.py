@@ -38,6 +38,7 @@ class ServeArgs:
     scripted_step_delay_s: float = 0.0
     compiled: str | None = None
     backend: str | None = None
+    stream_interval: int = 1
 
     @property
     def max_concurrent_requests(self) -> int:
@@ -101,7 +102,8 @@ def build_engine(args: ServeArgs):
     engine = Engine.from_model_dir(model_dir, preset=args.preset, max_running_requests=args.max_running_requests,
                                    context_length=args.context_length,
                                    served_model_name=args.served_model_name,
-                                   compiled_loader=loader, compiled_backend=args.backend or "cpu")
+                                   compiled_loader=loader, compiled_backend=args.backend or "cpu",
+                                   stream_interval=args.stream_interval)
     return engine, tokenizer_factory
 
 
@@ -137,6 +139,7 @@ def serve(
     scripted_step_delay: Annotated[float, typer.Option("--scripted-step-delay", hidden=True, help="Seconds per scripted decode step.")] = 0.0,
     compiled: Annotated[Optional[str], typer.Option("--compiled", help="Run the graphs `trnrt compile --out DIR` built for --preset (refused if built from another model, preset or graph).", metavar="DIR")] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="Backend of the --compiled artifacts (cpu | cuda | neuron; default: the one found).")] = None,
+    stream_interval: Annotated[int, typer.Option("--stream-interval", help="Streamed responses get a chunk every N tokens (SGLang's flag); non-streamed ones wait for the end.", min=1)] = 1,
 ) -> None:
     """Serve the OpenAI-compatible API (GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /v1/stats)."""
     import logging
@@ -158,6 +161,7 @@ def serve(
         reasoning_parser=_parser_choice(reasoning_parser, ("glm45",), "--reasoning-parser"),
         threads=threads, preset=preset, drain_timeout_s=drain_timeout, default_chat_template_kwargs=kwargs,
         scripted=scripted, scripted_step_delay_s=scripted_step_delay, compiled=compiled, backend=backend,
+        stream_interval=stream_interval,
     )
     from trnrt.serve.app import ServeSettings, create_app
     from trnrt.serve.server import run

@@ -222,7 +222,8 @@ def _run_wave(engine, prompts: list[list[int]], sp) -> float:
 
     from trnrt.engine.request import GenerateRequest
 
-    reqs = [GenerateRequest(prompt_token_ids=list(p), sampling_params=sp.clone()) for p in prompts]
+    # stream=False: the bench reads whole results (an offline generate, vLLM's FINAL_ONLY outputs)
+    reqs = [GenerateRequest(prompt_token_ids=list(p), sampling_params=sp.clone(), stream=False) for p in prompts]
     # Keep the GIL until every request is in the engine's inbox, so the first step sees the whole
     # batch (otherwise the engine thread may wake on the first submit and prefill it alone).
     # submit() makes no blocking call when the request has a seed.

@@ -74,8 +74,12 @@ class Engine:
     """
 
     def __init__(self, runner: ModelRunner, tokenizer, model_info: ModelInfo, engine_config: EngineConfig,
-                 scheduler_config: SchedulerConfig, *, start: bool = True):
+                 scheduler_config: SchedulerConfig, *, start: bool = True, stream_interval: int = 1):
         from trnrt.stats import StatsCollector  # pure Python
+
+        if not isinstance(stream_interval, int) or isinstance(stream_interval, bool) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
+        self.stream_interval = stream_interval
 
         self.runner = runner
         self.tokenizer = tokenizer
@@ -119,6 +123,7 @@ class Engine:
         max_running_requests: int | None = None,
         context_length: int | None = None,
         start: bool = True,
+        stream_interval: int = 1,
     ) -> "Engine":
         """Load the checkpoint (None: the embedded tiny model) and start the engine thread.
 
@@ -131,6 +136,10 @@ class Engine:
         cache sizes and max_model_len are graph inputs then, so they stay the preset's:
         max_running_requests only caps max_num_seqs at the preset's slots, and context_length only
         caps the scheduler's max_model_len.
+
+        stream_interval (SGLang's --stream-interval): a streamed request (GenerateRequest.stream)
+        gets an output every `stream_interval` tokens (merged), and its final one; a non-streamed
+        request gets its final output only.
         """
         import torch
         from transformers import AutoTokenizer
@@ -196,7 +205,7 @@ class Engine:
             backend=compiled_backend if compiled else "eager",
             compiled=bool(compiled),
         )
-        return cls(runner, tokenizer, info, ecfg, scfg, start=start)
+        return cls(runner, tokenizer, info, ecfg, scfg, start=start, stream_interval=stream_interval)
 
     # -- client API (any thread) -----------------------------------------------------------------
 
@@ -209,7 +218,9 @@ class Engine:
         thread admits them in the same step). Nothing is queued if any request is invalid."""
         for request in requests:
             self._prepare(request)
-        streams = [OutputStream(r.request_id) for r in requests]
+        # A non-streamed request's client waits for the final output only: not waking it every
+        # step keeps its thread off the GIL while the engine runs (trnrt.engine.stream).
+        streams = [OutputStream(r.request_id, self.stream_interval if r.stream else 0) for r in requests]
         self._inbox.put(("add_many", list(zip(requests, streams)), None))
         self._wake.set()
         return streams
@@ -258,6 +269,13 @@ class Engine:
     # -- engine thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        import torch
+
+        # The whole thread in inference mode (the runner then skips entering it every step).
+        with torch.inference_mode():
+            self._loop()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 self._drain_inbox()

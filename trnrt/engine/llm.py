@@ -66,7 +66,7 @@ class LLM:
         reqs = []
         for p, sp in zip(prompts, params):
             ids = self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p)
-            reqs.append(GenerateRequest(prompt_token_ids=ids, sampling_params=sp.clone()))
+            reqs.append(GenerateRequest(prompt_token_ids=ids, sampling_params=sp.clone(), stream=False))
         # All or nothing: an invalid prompt raises before any request is queued.
         streams = list(zip(reqs, self.engine.submit_many(reqs)))
         results = []

@@ -119,6 +119,10 @@ class GenerateRequest:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=new_request_id)
     arrival_time_s: float | None = None
+    # True: the client reads outputs as they come (every `stream_interval`-th step, SSE); False:
+    # only the final output matters, delivered once, merged (a non-streamed HTTP response, offline
+    # generate). Same tokens and text either way; see trnrt.engine.stream.
+    stream: bool = True
 
 
 def check_context_length(

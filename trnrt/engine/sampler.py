@@ -100,5 +100,32 @@ def _logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top_logpro
     """(chosen token's logprob [B], top ids [B, N], top logprobs [B, N]) from logprobs [B, V]."""
     token_logprobs = torch.gather(logprobs, 1, token_ids[:, None]).squeeze(1)
     n = max(1, min(num_top_logprobs, logprobs.shape[-1]))
-    top_logprobs, top_ids = torch.topk(logprobs, n, dim=-1)
+    top_logprobs, top_ids = top_n(logprobs, n)
     return token_logprobs, top_ids, top_logprobs
+
+
+# Vocabulary chunk of the two-stage top-n; a vocabulary of fewer than _TOP_N_MIN_CHUNKS chunks
+# gets a plain topk (the first stage would not shrink it).
+_TOP_N_CHUNK = 16
+_TOP_N_MIN_CHUNKS = 64
+
+
+def top_n(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(x, n, dim=-1) of x [B, V] -> (values [B, n], indices [B, n]), best first.
+
+    Two stages when V splits into chunks of _TOP_N_CHUNK: the n best chunk maxima pick n chunks,
+    and the top-n of those n * chunk candidates is the top-n of the row (an element outside the
+    picked chunks is at most its chunk's maximum, below n picked maxima). CPU topk costs about
+    V ns per row whatever n (copy + select): 54 us for [8, 4096], vs ~15 us for the two small
+    ones. Ties between equal values may resolve to other indices than torch.topk's.
+    """
+    B, V = x.shape
+    C = _TOP_N_CHUNK
+    if V % C or V // C < max(n, _TOP_N_MIN_CHUNKS):
+        return torch.topk(x, n, dim=-1)
+    xc = x.view(B, V // C, C)  # [B, V/C, C]
+    _, chunk = torch.topk(xc.amax(-1), n, dim=-1)  # [B, n] chunks holding the top-n
+    cand = xc.gather(1, chunk[:, :, None].expand(B, n, C)).reshape(B, n * C)  # [B, n*C]
+    values, pos = torch.topk(cand, n, dim=-1)  # [B, n]
+    ids = chunk.gather(1, pos // C) * C + pos % C
+    return values, ids

@@ -256,7 +256,7 @@ class ChatCompletions:
         out = ChatOutput(ti, reasoning, tools, strip_special=creq.user_skip_special_tokens,
                          stream_reasoning=creq.stream_reasoning)
 
-        greq = GenerateRequest(prompt_ids, creq.params)
+        greq = GenerateRequest(prompt_ids, creq.params, stream=creq.stream)
         st.acquire()
         try:
             stream = _submit(st, greq, "messages")
@@ -483,7 +483,7 @@ class Completions:
             _context_check(st, creq, len(ids), "prompt")
         _validate_params(st, creq.params)
 
-        reqs = [GenerateRequest(ids, creq.params.clone()) for ids in prompt_ids]
+        reqs = [GenerateRequest(ids, creq.params.clone(), stream=creq.stream) for ids in prompt_ids]
         st.acquire()
         streams = []
         try:
