@@ -88,10 +88,13 @@ def test_top_n_two_stage_equals_topk(monkeypatch):
     monkeypatch.setattr(sampler.torch, "topk", lambda x, k, **kw: calls.append(x.shape[-1]) or real_topk(x, k, **kw))
     torch.manual_seed(3)
     x = torch.log_softmax(torch.randn(6, 4096) * 3, -1)
-    # the hard cases: every top-20 value in one chunk, and the top-20 in 20 different chunks
-    x[1, 160:176] = torch.linspace(5, 6, 16)
-    x[1, 176:192] = torch.linspace(4, 4.9, 16)
+    # the hard cases: the top-20 packed into two chunks (chunks are strided: x[k::256]), the
+    # top-20 in 20 different chunks, and a run of contiguous values
+    W = 4096 // sampler._TOP_N_CHUNK
+    x[1, 7::W] = torch.linspace(5, 6, 16)
+    x[1, 9::W] = torch.linspace(4, 4.9, 16)
     x[2, ::200] = torch.linspace(3, 4, x[2, ::200].numel())
+    x[3, 160:192] = torch.linspace(4, 5, 32)
     values, ids = sampler.top_n(x, 20)
     ref = real_topk(x, 20, dim=-1)
     assert torch.equal(values, ref.values) and torch.equal(ids, ref.indices)
@@ -100,3 +103,16 @@ def test_top_n_two_stage_equals_topk(monkeypatch):
     small = torch.randn(3, 300)  # too few chunks: plain topk
     v, i = sampler.top_n(small, 5)
     assert calls == [300] and torch.equal(i, real_topk(small, 5).indices)
+
+
+def test_greedy_logprobs_are_log_softmax():
+    from trnrt.engine.sampler import sample_greedy
+
+    torch.manual_seed(4)
+    x = torch.randn(5, 4096) * 4
+    ids, lp, top_ids, top_lp = sample_greedy(x, 20)
+    ref = torch.log_softmax(x, -1)
+    assert torch.equal(ids, x.argmax(-1))
+    assert torch.allclose(lp, ref.gather(1, ids[:, None]).squeeze(1), atol=1e-5)
+    assert torch.allclose(top_lp, ref.gather(1, top_ids), atol=1e-5)
+    assert torch.allclose(top_lp, torch.topk(ref, 20).values, atol=1e-5)

@@ -216,3 +216,38 @@ def test_moe_forms_agree(model):
             y = ex.down_proj[e] @ M.swiglu(h[:I], h[I:], model.config.swiglu_limit, "routed")
             want[t] += w[t, j] * y
     assert torch.allclose(a, want, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- compiled selection
+def test_select_topk_max_passes_equal_topk(monkeypatch):
+    """Under export/compile, k <= 2 selections are max passes: the same values, and the same
+    indices as torch.topk (ties: the lowest index), including rows with -inf entries."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 3, 8, generator=g)
+    x[0, 0, 4:] = float("-inf")  # a masked expert group
+    x[1, 1, [2, 6]] = 9.0  # a tie for the first place
+    x[2, 2, [1, 5]] = -9.0  # a tie that is not selected
+    for k in (1, 2):
+        v, i = M.select_topk(x, k)
+        ref = torch.sort(x, dim=-1, descending=True, stable=True)  # ties: lowest index first
+        assert torch.equal(v, ref.values[..., :k]) and torch.equal(i, ref.indices[..., :k]), k
+        assert torch.equal(i[1, 1], torch.tensor([2, 6][:k]))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    v, i = M.select_topk(x, 2)  # eager: torch.topk itself
+    assert torch.equal(v, x.topk(2).values)
+
+
+def test_exported_tiny_decode_step_has_no_topk_but_the_samplers(model, monkeypatch):
+    from trnrt.models import kernels
+    from trnrt.models.glm5_next.model import TensorForward
+
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    B, MB = 3, 6
+    st = model.allocate_state(24, 8, 5)
+    ex_args = (torch.zeros(B, 1, dtype=torch.long), torch.zeros(B, dtype=torch.long), torch.ones(B, dtype=torch.long),
+               torch.zeros(B, MB, dtype=torch.int32), torch.zeros(B, dtype=torch.long))
+    ep = torch.export.export(TensorForward(model, block_size=8), ex_args + st.tensors(), strict=False)
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert not any("topk" in t for t in targets)  # router (4 sparse layers) and indexer: max passes
+    assert sum("argmax" in t for t in targets) >= 4 * 3 + 2

@@ -28,5 +28,8 @@ def test_decode_graph_exports(model, monkeypatch):
             torch.tensor([[1, 2, 3, 0, 0, 0], [4, 5, 6, 7, 0, 0], [0] * 6], dtype=torch.int32), torch.tensor([1, 2, 0]))
     le, he = wrap(*args, *s_eager.tensors())
     lx, hx = ep.module()(*args, *s_export.tensors())
-    assert torch.equal(le, lx) and torch.equal(he, hx)
-    assert all(torch.equal(a, b) for a, b in zip(s_eager.tensors(), s_export.tensors()))
+    # Live rows only, and the state without scratch block 0 / slot 0 (dim 1, index 0): the padding
+    # row selects among all-equal indexer scores, where topk (eager) and the exported max passes
+    # (select_topk) may pick different pools; its output is never read.
+    assert torch.equal(le[:2], lx[:2]) and torch.equal(he[:2], hx[:2])
+    assert all(torch.equal(a[:, 1:], b[:, 1:]) for a, b in zip(s_eager.tensors(), s_export.tensors()))

@@ -59,7 +59,6 @@ def sample(logits: torch.Tensor, st: SamplingTensors, num_top_logprobs: int):
     """
     logits = logits.float()
     vocab = logits.shape[-1]
-    logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
 
     greedy = st.temperature <= 0.0  # [B]
     temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
@@ -84,28 +83,30 @@ def sample(logits: torch.Tensor, st: SamplingTensors, num_top_logprobs: int):
     sampled = torch.gather(sorted_idx, 1, choice_sorted[:, None]).squeeze(1)
     token_ids = torch.where(greedy, torch.argmax(logits, dim=-1), sampled)  # [B]
 
-    return (token_ids, *_logprobs_of(logprobs, token_ids, num_top_logprobs))
+    return (token_ids, *_logprobs_of(logits, token_ids, num_top_logprobs))
 
 
 def sample_greedy(logits: torch.Tensor, num_top_logprobs: int):
     """`sample` for a batch whose rows are all greedy: argmax, no sort, no noise. Same outputs
     (and the same values for greedy rows) as `sample`."""
     logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     token_ids = torch.argmax(logits, dim=-1)  # [B]
-    return (token_ids, *_logprobs_of(logprobs, token_ids, num_top_logprobs))
+    return (token_ids, *_logprobs_of(logits, token_ids, num_top_logprobs))
 
 
-def _logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top_logprobs: int):
-    """(chosen token's logprob [B], top ids [B, N], top logprobs [B, N]) from logprobs [B, V]."""
-    token_logprobs = torch.gather(logprobs, 1, token_ids[:, None]).squeeze(1)
-    n = max(1, min(num_top_logprobs, logprobs.shape[-1]))
-    top_logprobs, top_ids = top_n(logprobs, n)
-    return token_logprobs, top_ids, top_logprobs
+def _logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, num_top_logprobs: int):
+    """(chosen token's logprob [B], top ids [B, N], top logprobs [B, N]) of fp32 logits [B, V]:
+    logprob = logit - logsumexp(logits), computed for the N + 1 tokens reported only."""
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, 1]
+    token_logprobs = (torch.gather(logits, 1, token_ids[:, None]) - lse).squeeze(1)
+    n = max(1, min(num_top_logprobs, logits.shape[-1]))
+    top_logits, top_ids = top_n(logits, n)
+    return token_logprobs, top_ids, top_logits - lse
 
 
-# Vocabulary chunk of the two-stage top-n; a vocabulary of fewer than _TOP_N_MIN_CHUNKS chunks
-# gets a plain topk (the first stage would not shrink it).
+# Chunks of the two-stage top-n: chunk k of a row is {x[k], x[k + V/C], x[k + 2V/C], ...} (a
+# strided chunk: its max is a vertical max across C vectors, no horizontal reduction); a
+# vocabulary of fewer than _TOP_N_MIN_CHUNKS chunks gets a plain topk.
 _TOP_N_CHUNK = 16
 _TOP_N_MIN_CHUNKS = 64
 
@@ -113,19 +114,20 @@ _TOP_N_MIN_CHUNKS = 64
 def top_n(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(x, n, dim=-1) of x [B, V] -> (values [B, n], indices [B, n]), best first.
 
-    Two stages when V splits into chunks of _TOP_N_CHUNK: the n best chunk maxima pick n chunks,
-    and the top-n of those n * chunk candidates is the top-n of the row (an element outside the
-    picked chunks is at most its chunk's maximum, below n picked maxima). CPU topk costs about
-    V ns per row whatever n (copy + select): 54 us for [8, 4096], vs ~15 us for the two small
-    ones. Ties between equal values may resolve to other indices than torch.topk's.
+    Two stages when V splits into _TOP_N_CHUNK strided chunks: the n best chunk maxima pick n
+    chunks, and the top-n of those n * chunk candidates is the top-n of the row (an element
+    outside the picked chunks is at most its chunk's maximum, below n picked maxima). CPU topk
+    costs about V ns per row whatever n (copy + select): 54 us for [8, 4096], vs ~15 us for the
+    two small ones. Ties between equal values may resolve to other indices than torch.topk's.
     """
     B, V = x.shape
     C = _TOP_N_CHUNK
-    if V % C or V // C < max(n, _TOP_N_MIN_CHUNKS):
+    W = V // C  # number of chunks
+    if V % C or W < max(n, _TOP_N_MIN_CHUNKS):
         return torch.topk(x, n, dim=-1)
-    xc = x.view(B, V // C, C)  # [B, V/C, C]
-    _, chunk = torch.topk(xc.amax(-1), n, dim=-1)  # [B, n] chunks holding the top-n
-    cand = xc.gather(1, chunk[:, :, None].expand(B, n, C)).reshape(B, n * C)  # [B, n*C]
+    xs = x.view(B, C, W)  # [B, C, W]: chunk k is column k
+    _, chunk = torch.topk(xs.amax(1), n, dim=-1)  # [B, n] chunks holding the top-n
+    cand = xs.gather(2, chunk[:, None, :].expand(B, C, n)).reshape(B, C * n)  # [B, C*n]: (row r, pick j)
     values, pos = torch.topk(cand, n, dim=-1)  # [B, n]
-    ids = chunk.gather(1, pos // C) * C + pos % C
+    ids = (pos // n) * W + chunk.gather(1, pos % n)
     return values, ids

@@ -142,6 +142,30 @@ def fused_kernels(x: torch.Tensor) -> bool:
     return kernels.available() and x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
+def select_topk(x: torch.Tensor, k: int, sorted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(x, k, dim=-1) -> (values, indices).
+
+    Under torch.export / torch.compile and for k <= 2 (the tiny model's router and indexer; the
+    real model selects 8 experts and 128 pools), as k max passes instead: Inductor fuses them
+    into the surrounding kernels, where each extern topk call of a compiled CPU step costs ~4 us
+    (14 of them in a batch-8 decode step). Values best first, ties to the lowest index; a row
+    needs k values above -inf (true at both call sites: a kept expert group holds more than k
+    experts, non-candidate pools are finfo.min). `sorted` False: the order of the k
+    picks is unspecified (topk's sorted=False); the max passes give it sorted anyway.
+    """
+    if k > 2 or not torch.compiler.is_compiling():
+        r = x.topk(k, dim=-1, sorted=sorted)
+        return r.values, r.indices
+    i1 = x.argmax(-1, keepdim=True)  # [.., 1]
+    v1 = x.gather(-1, i1)
+    if k == 1:
+        return v1, i1
+    ar = torch.arange(x.shape[-1], device=x.device)
+    x2 = x.masked_fill(ar == i1, float("-inf"))
+    i2 = x2.argmax(-1, keepdim=True)
+    return torch.cat([v1, x2.gather(-1, i2)], -1), torch.cat([i1, i2], -1)
+
+
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Truncated Sinkhorn of comb [.., N, N]: 1 column normalisation, then (iters - 1) row+column
     pairs, each x / (sum + eps) as transformers writes it.
@@ -556,7 +580,7 @@ class Indexer(nn.Module):
         cand = meta.pool_cand
         iscore = iscore.masked_fill(~cand, torch.finfo(iscore.dtype).min)
         P = iscore.shape[-1]
-        sel = iscore.topk(min(self.cfg.index_topk // kp, P), dim=-1).indices  # [B,S,k]
+        sel = select_topk(iscore, min(self.cfg.index_topk // kp, P))[1]  # [B,S,k]
         pool_mask = torch.zeros_like(cand).scatter(-1, sel, cand.gather(-1, sel))  # [B,S,P]
         index_probe(pool_mask, meta)
         if S == 1:
@@ -729,11 +753,11 @@ class Router(nn.Module):
         scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # [T,E]
         choice = scores + self.e_score_correction_bias  # bias only for choosing
         if c.n_group > 1:
-            grp = choice.view(-1, c.n_group, E // c.n_group).topk(2, dim=-1).values.sum(-1)  # [T,G]
-            gidx = grp.topk(c.topk_group, dim=-1, sorted=False).indices
+            grp = select_topk(choice.view(-1, c.n_group, E // c.n_group), 2)[0].sum(-1)  # [T,G]
+            gidx = select_topk(grp, c.topk_group, sorted=False)[1]
             gmask = torch.zeros_like(grp, dtype=torch.bool).scatter(1, gidx, True)
             choice = choice.masked_fill(~gmask.repeat_interleave(E // c.n_group, dim=1), float("-inf"))
-        idx = choice.topk(c.num_experts_per_tok, dim=-1, sorted=False).indices
+        idx = select_topk(choice, c.num_experts_per_tok, sorted=False)[1]
         w = scores.gather(1, idx)
         if c.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
