@@ -156,3 +156,23 @@ def test_engine_recipe_stop_string_finishes_request_and_frees_cache(tok):
     assert reasons == {"s": FinishReason("stop", matched="fox."), "e": FinishReason("stop", matched=eos)}
     sched.cache.check_integrity([])
     assert sched.cache.num_free_blocks == sched.cache.num_usable_blocks
+
+
+def test_deferred_decodes_once_at_flush_with_the_same_text(tok, monkeypatch):
+    text = UNICODE + " the quick fox"
+    ids = tok.encode(text).ids + tok.encode("<eos>").ids
+    prompt = tok.encode("hello").ids
+    live = IncrementalDetokenizer(tok, prompt)
+    deferred = IncrementalDetokenizer(tok, prompt, deferred=True)
+    calls = []
+    orig = IncrementalDetokenizer._decode
+    monkeypatch.setattr(IncrementalDetokenizer, "_decode", lambda self, i: calls.append(self) or orig(self, i))
+    for k, t in enumerate(ids):
+        last = k == len(ids) - 1  # the EOS: a stop token, its text excluded
+        assert deferred.step([t], exclude_last=last) == ""
+        live.step([t], exclude_last=last)
+    assert deferred not in calls  # nothing decoded before the end
+    assert deferred.flush() == live.output_text + live.flush() == text
+    assert calls.count(deferred) == 2  # one window: prefix (the prompt context) and full
+    with pytest.raises(ValueError, match="stop strings"):
+        IncrementalDetokenizer(tok, [], stop=["x"], deferred=True)

@@ -450,10 +450,20 @@ def test_decode_context_buckets_cut_the_block_table_and_keep_greedy_tokens(model
 # -- delivery ----------------------------------------------------------------------------------
 
 
-def test_non_streamed_and_interval_requests_get_the_same_result_in_fewer_outputs(eos_engine, tokenizer):
+def test_non_streamed_and_interval_requests_get_the_same_result_in_fewer_outputs(eos_engine, tokenizer, monkeypatch):
     """stream=False: one output, at the end, equal to the streamed request's concatenation (tokens,
     text, logprobs, finish reason), with a stop string and with seeded sampling; a stream interval
     of 3 delivers ceil(n / 3) outputs of the same content."""
+    from trnrt.engine import engine as engine_mod
+
+    made = []  # (deferred, has stop strings) of each detokenizer the engine creates
+
+    class Recording(engine_mod.IncrementalDetokenizer):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append((self.deferred, bool(self.stop)))
+
+    monkeypatch.setattr(engine_mod, "IncrementalDetokenizer", Recording)
     engine = eos_engine
     ids = tokenizer.encode(CJK_PROMPT, add_special_tokens=False)
     streamed_ref = run(engine, ids, max_new_tokens=10, temperature=0.0, ignore_eos=True)
@@ -490,6 +500,8 @@ def test_non_streamed_and_interval_requests_get_the_same_result_in_fewer_outputs
                 [(lp.token_id, lp.logprob, lp.top) for lp in ref_lps]
         assert results["final"][0].num_outputs == 1
         assert results["interval"][0].num_outputs == -(-ref.num_outputs // 3)
+    # per case: stream, final, interval; only the non-streamed request without a stop string defers
+    assert [d for d, _ in made[1:]] == [False, True, False, False, False, False, False, True, False]
     assert_clean(engine)
 
 
@@ -512,4 +524,6 @@ def test_non_streamed_request_aborted_mid_decode_gets_its_tokens_in_one_output(s
         r = collect(engine.submit(req))
     assert r.finish_reason.type == "abort" and r.num_outputs == 1
     assert r.output_ids == out[:3]  # the prefill's token and two decodes
+    # its text was never decoded before the abort, and comes with it
+    assert r.text == tokenizer.decode(out[:3], skip_special_tokens=True) and r.text
     assert_clean(engine)

@@ -246,3 +246,26 @@ def test_concurrent_writer_and_readers_stay_consistent():
     c = col.snapshot()["counters"]
     assert c["requests_arrived"] == c["requests_finished_total"] == n
     assert c["generation_tokens"] == 2 * n and c["prompt_tokens"] == 3 * n
+
+
+def test_on_tokens_many_equals_one_call_per_request(clock):
+    """The engine's per-step batch form gives the same snapshot as on_tokens per request."""
+    snaps = []
+    for batched in (False, True):
+        clock.t = 100.0
+        col = StatsCollector(clock=clock, wall_clock=lambda: 1.7e9, engine_id="e0")
+        for rid in ("a", "b", "c"):
+            col.on_request_arrived(rid, 5)
+        for step in range(4):
+            clock.advance(0.01 * (step + 1))
+            items = [("a", 1), ("b", 2 if step else 1), ("c", 0), ("unknown", 1)]
+            if batched:
+                col.on_tokens_many(items)
+            else:
+                for rid, n in items:
+                    col.on_tokens(rid, n)
+        snap = col.snapshot()
+        snap.pop("time", None)
+        snaps.append(json.dumps(snap, sort_keys=True))
+    assert snaps[0] == snaps[1]
+    assert json.loads(snaps[1])["counters"]["generation_tokens"] == 4 + 7 + 4

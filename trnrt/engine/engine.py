@@ -323,19 +323,23 @@ class Engine:
         sp = request.sampling_params
         self._streams[rid] = stream
         self._detoks[rid] = IncrementalDetokenizer(
-            self._decoder, request.prompt_token_ids, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop
+            self._decoder, request.prompt_token_ids, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
+            # nobody reads a non-streamed request's text before it ends: decode it once, at the end
+            deferred=not request.stream and not any(sp.stop),
         )
 
     def _abort(self, rid: str, message: str, finish_type: str = "abort") -> None:
         seq = self.scheduler.abort(rid, message)
         stream = self._streams.pop(rid, None)
-        self._detoks.pop(rid, None)
+        detok = self._detoks.pop(rid, None)
         if stream is None:
             return
+        # a deferred detokenizer has emitted nothing yet: the text so far goes with the abort
+        text = detok.flush() if detok is not None and detok.deferred else ""
         n_out = seq.num_output_tokens if seq is not None else 0
         n_prompt = seq.num_prompt_tokens if seq is not None else 0
         stream.put(RequestOutput(
-            rid, finished=True, finish_reason=FinishReason("abort", message=message),
+            rid, new_text=text, finished=True, finish_reason=FinishReason("abort", message=message),
             num_prompt_tokens=n_prompt, num_output_tokens=n_out,
             error=message if finish_type == "error" else None,
         ))
@@ -355,7 +359,10 @@ class Engine:
             self.stats_collector.on_request_preempted(rid)
         runner_out = self._execute(sched_out)
         now = time.monotonic()
-        for u in self.scheduler.update_from_output(sched_out, runner_out):
+        updates = self.scheduler.update_from_output(sched_out, runner_out)
+        self.stats_collector.on_tokens_many(
+            [(u.request_id, len(u.new_token_ids)) for u in updates if u.error is None and u.new_token_ids], now=now)
+        for u in updates:
             self._emit(u, now)
         self._update_live()
 
@@ -388,13 +395,13 @@ class Engine:
         if u.error is not None:
             self._streams.pop(rid, None)
             self._detoks.pop(rid, None)
-            stream.put(RequestOutput(rid, finished=True, finish_reason=FinishReason("abort", message=u.error),
+            text = detok.flush() if detok.deferred else ""
+            stream.put(RequestOutput(rid, new_text=text, finished=True,
+                                     finish_reason=FinishReason("abort", message=u.error),
                                      error=u.error, num_prompt_tokens=u.seq.num_prompt_tokens,
                                      num_output_tokens=u.seq.num_output_tokens))
             self.stats_collector.on_request_finished(rid, "error")
             return
-        if u.new_token_ids:
-            self.stats_collector.on_tokens(rid, len(u.new_token_ids), now=now)
         text = detok.step(u.new_token_ids, exclude_last=is_token_stop(u.finish_reason))
         reason = StopChecker.merge(u.finish_reason, detok.matched_stop)
         if reason is not None and not u.finished:  # a stop string ended a live request

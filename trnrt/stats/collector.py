@@ -194,6 +194,27 @@ class StatsCollector:
             req.last_token = now
             req.generated += n
 
+    def on_tokens_many(self, items: list[tuple[str, int]], now: float | None = None) -> None:
+        """`on_tokens(rid, n, now)` for each (rid, n) of one step, under one lock acquisition."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            total = 0
+            for rid, n in items:
+                if n <= 0:
+                    continue
+                total += n
+                req = self._reqs.get(rid)
+                if req is None:
+                    continue
+                if req.last_token is None:
+                    self._lat["ttft_ms"].add(now - req.arrived, now)
+                else:
+                    self._lat["itl_ms"].add((now - req.last_token) / n, now)
+                req.last_token = now
+                req.generated += n
+            if total:
+                self._generated.add(total, now)
+
     def on_request_finished(
         self,
         rid: str,
