@@ -22,9 +22,31 @@ def test_help_lists_sglang_flags():
 
     out = CliRunner().invoke(app, ["serve", "--help"], terminal_width=200, env={"COLUMNS": "200"}).output
     for flag in ("--model", "--host", "--port", "--api-key", "--served-model-name", "--max-running-requests",
-                 "--context-length", "--tool-call-parser", "--reasoning-parser", "--threads"):
+                 "--context-length", "--tool-call-parser", "--reasoning-parser", "--threads", "--stream-interval"):
         assert flag in out, flag
     assert "--scripted" not in out  # hidden
+
+
+def test_stream_interval_reaches_the_engine_and_is_validated(monkeypatch):
+    from typer.testing import CliRunner
+
+    from trnrt.cli import app, serve as serve_cli
+    from trnrt.engine import engine as engine_mod
+
+    seen = {}
+
+    def fake_from_model_dir(*a, **kw):
+        seen.update(kw)
+        raise ValueError("stop here")  # build_engine's ValueError path: exit 2, no server
+
+    monkeypatch.setattr(engine_mod.Engine, "from_model_dir", staticmethod(fake_from_model_dir))
+    r = CliRunner().invoke(app, ["serve", "--stream-interval", "4"])
+    assert r.exit_code == 2 and seen["stream_interval"] == 4
+    r = CliRunner().invoke(app, ["serve", "--stream-interval", "0"])
+    assert r.exit_code == 2 and "stream-interval" in r.output
+    assert serve_cli.ServeArgs().stream_interval == 1
+    with pytest.raises(ValueError, match="stream_interval"):
+        engine_mod.Engine(None, None, None, None, None, start=False, stream_interval=0)
 
 
 def test_cli_import_is_light():
