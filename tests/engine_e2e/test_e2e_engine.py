@@ -231,12 +231,13 @@ def test_abort_during_prefill(small_engine, random_prompts):
     assert_clean(engine)
 
 
-def test_abort_during_decode(small_engine, tokenizer):
-    engine = small_engine
+def _abort_after_two_decodes(engine, tokenizer, stream: bool):
+    """Greedy-decode a prompt, then run it again and abort it after its second decode step.
+    Returns (the uninterrupted output ids, what the aborted request collected)."""
     ids = tokenizer.encode("Tell me a long story", add_special_tokens=False)
     out = greedy(engine, ids, N_NEW)
     req = GenerateRequest(prompt_token_ids=ids, sampling_params=SamplingParams(max_new_tokens=N_NEW, temperature=0.0,
-                                                                               ignore_eos=True))
+                                                                               ignore_eos=True), stream=stream)
     decodes = []
 
     def after(rows, results):
@@ -247,10 +248,14 @@ def test_abort_during_decode(small_engine, tokenizer):
                 engine.abort(req.request_id)
 
     with hook_execute(engine, after=after):
-        r = collect(engine.submit(req))
+        return out, collect(engine.submit(req))
+
+
+def test_abort_during_decode(small_engine, tokenizer):
+    out, r = _abort_after_two_decodes(small_engine, tokenizer, stream=True)
     assert r.finish_reason.type == "abort"
     assert r.output_ids == out[:3]  # the prefill's token and two decodes
-    assert_clean(engine)
+    assert_clean(small_engine)
 
 
 def test_failing_step_fails_its_requests_and_engine_keeps_serving(small_engine, tokenizer):
@@ -507,21 +512,7 @@ def test_non_streamed_and_interval_requests_get_the_same_result_in_fewer_outputs
 
 def test_non_streamed_request_aborted_mid_decode_gets_its_tokens_in_one_output(small_engine, tokenizer):
     engine = small_engine
-    ids = tokenizer.encode("Tell me a long story", add_special_tokens=False)
-    out = greedy(engine, ids, N_NEW)
-    req = GenerateRequest(prompt_token_ids=ids, sampling_params=SamplingParams(max_new_tokens=N_NEW, temperature=0.0,
-                                                                               ignore_eos=True), stream=False)
-    decodes = []
-
-    def after(rows, results):
-        slot = slot_of(engine, req.request_id)
-        if any(r.slot_id == slot and len(r.token_ids) == 1 for r in rows):
-            decodes.append(1)
-            if len(decodes) == 2:
-                engine.abort(req.request_id)
-
-    with hook_execute(engine, after=after):
-        r = collect(engine.submit(req))
+    out, r = _abort_after_two_decodes(engine, tokenizer, stream=False)
     assert r.finish_reason.type == "abort" and r.num_outputs == 1
     assert r.output_ids == out[:3]  # the prefill's token and two decodes
     # its text was never decoded before the abort, and comes with it

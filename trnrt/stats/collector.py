@@ -179,20 +179,8 @@ class StatsCollector:
         inter-token latency sample: the gap since the previous call divided by `n` (a speculative
         step that yields several tokens spreads its gap over them).
         """
-        if n <= 0:
-            return
-        now = self._clock() if now is None else now
-        with self._lock:
-            self._generated.add(n, now)
-            req = self._reqs.get(rid)
-            if req is None:  # unknown (arrived before this collector, or dropped): count only
-                return
-            if req.last_token is None:
-                self._lat["ttft_ms"].add(now - req.arrived, now)
-            else:
-                self._lat["itl_ms"].add((now - req.last_token) / n, now)
-            req.last_token = now
-            req.generated += n
+        if n > 0:
+            self.on_tokens_many([(rid, n)], now)
 
     def on_tokens_many(self, items: list[tuple[str, int]], now: float | None = None) -> None:
         """`on_tokens(rid, n, now)` for each (rid, n) of one step, under one lock acquisition."""
@@ -204,7 +192,7 @@ class StatsCollector:
                     continue
                 total += n
                 req = self._reqs.get(rid)
-                if req is None:
+                if req is None:  # unknown (arrived before this collector, or dropped): count only
                     continue
                 if req.last_token is None:
                     self._lat["ttft_ms"].add(now - req.arrived, now)
