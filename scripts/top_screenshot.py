@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def start_server(max_running: int):
     from trnrt.engine.engine import Engine
     from trnrt.models.tiny import default_model_dir
-    from trnrt.serve.app import ServeSettings, create_app, hf_tokenizer_factory
+    from trnrt.serve import ServeSettings, create_app, hf_tokenizer_factory
     from trnrt.serve.server import make_server
 
     engine = Engine.from_model_dir(default_model_dir(), max_running_requests=max_running)
@@ -104,7 +104,7 @@ def main() -> int:
     args = ap.parse_args()
     size = tuple(int(v) for v in args.size.split("x"))
 
-    from trnrt.serve.app import get_state
+    from trnrt.serve import get_state
 
     engine, app, srv, port = start_server(args.max_running)
     url = f"http://127.0.0.1:{port}"

@@ -59,7 +59,7 @@ def tok_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer_factory(tok_dir):
-    from trnrt.serve.app import hf_tokenizer_factory
+    from trnrt.serve import hf_tokenizer_factory
 
     return hf_tokenizer_factory(str(tok_dir))
 
@@ -159,7 +159,7 @@ class Server:
 
 
 def start_server(engine, tokenizer_factory, settings=None, threads=None) -> Server:
-    from trnrt.serve.app import create_app
+    from trnrt.serve import create_app
     from trnrt.serve.server import make_server
 
     app = create_app(engine, tokenizer_factory, settings)
@@ -170,7 +170,7 @@ def start_server(engine, tokenizer_factory, settings=None, threads=None) -> Serv
 
 
 def stop_server(server: Server) -> None:
-    from trnrt.serve.app import get_state
+    from trnrt.serve import get_state
 
     server.engine.shutdown(0.0)  # aborts what runs, so the workers finish their responses
     get_state(server.app).wait_idle(5.0)
@@ -179,7 +179,7 @@ def stop_server(server: Server) -> None:
 
 @pytest.fixture(scope="session")
 def scripted_server(tokenizer_factory):
-    from trnrt.serve.app import ServeSettings
+    from trnrt.serve import ServeSettings
 
     engine = make_scripted_engine(tokenizer_factory)
     # A 1 MiB body limit keeps the oversize-body test cheap.
@@ -198,7 +198,7 @@ def any_server(request, tokenizer_factory, scripted_server):
     engine = make_real_engine()
     if engine is None:
         pytest.skip("real engine not wired yet (tests/serve/conftest.py: make_real_engine)")
-    from trnrt.serve.app import ServeSettings, hf_tokenizer_factory
+    from trnrt.serve import ServeSettings, hf_tokenizer_factory
 
     factory = hf_tokenizer_factory(engine.model_info.model_path)
     # Same context cap and body limit as the scripted server, so the bad-input corpus applies as is.

@@ -80,7 +80,7 @@ def wait_for(pred, timeout_s: float, what: str):
 
 @pytest.fixture(scope="module")
 def slow_server(tokenizer_factory):
-    from trnrt.serve.app import ServeSettings
+    from trnrt.serve import ServeSettings
 
     # 10 ms per decode step: a 400-token answer takes 4 s, so an abort is plainly visible.
     engine = make_scripted_engine(tokenizer_factory, step_delay_s=0.01, max_running_requests=64,
@@ -91,7 +91,7 @@ def slow_server(tokenizer_factory):
 
 
 def test_64_concurrent_streams(slow_server):
-    from trnrt.serve.app import get_state
+    from trnrt.serve import get_state
 
     state = get_state(slow_server.app)
     n, results, errors, peak = 64, {}, [], {"active": 0, "running": 0}
@@ -173,7 +173,7 @@ def test_disconnect_during_non_streamed_request_aborts(slow_server):
 
 
 def test_disconnect_while_queued_aborts(tokenizer_factory):
-    from trnrt.serve.app import ServeSettings
+    from trnrt.serve import ServeSettings
 
     engine = make_scripted_engine(tokenizer_factory, step_delay_s=0.01, max_running_requests=1)
     server = start_server(engine, tokenizer_factory, ServeSettings(served_model_name=MODEL))

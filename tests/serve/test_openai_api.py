@@ -119,14 +119,14 @@ def test_chat_reasoning_split(scripted_server):
 
 
 def client_tokenize(server, text: str) -> list[int]:
-    from trnrt.serve.app import get_state
+    from trnrt.serve import get_state
 
     return get_state(server.app).tokinfo().tokenizer.encode(text, add_special_tokens=False)
 
 
 def script_prefix(server, name: str, n: int) -> str:
     """The text of the first n tokens of SCRIPTS[name]."""
-    from trnrt.serve.app import get_state
+    from trnrt.serve import get_state
 
     tok = get_state(server.app).tokinfo().tokenizer
     return tok.decode(tok.encode(SCRIPTS[name], add_special_tokens=False)[:n])
@@ -145,7 +145,7 @@ def test_chat_thinking_disabled_is_all_content(scripted_server):
 
 def test_chat_template_kwargs_reach_the_template(scripted_server):
     chat(scripted_server.client(), "SCRIPT:plain hi", reasoning_effort="low")
-    from trnrt.serve.app import get_state
+    from trnrt.serve import get_state
 
     tok = get_state(scripted_server.app).tokinfo().tokenizer
     prompt = tok.decode(scripted_server.engine.submitted[-1].prompt_token_ids, skip_special_tokens=False)
@@ -181,7 +181,7 @@ def test_tool_call_stream(scripted_server):
 
 def test_tool_call_glm45_server(tokenizer_factory):
     from serve_support import make_scripted_engine
-    from trnrt.serve.app import ServeSettings
+    from trnrt.serve import ServeSettings
 
     server = start_server(make_scripted_engine(tokenizer_factory), tokenizer_factory,
                           ServeSettings(served_model_name=MODEL, tool_call_parser="glm45"))
@@ -199,7 +199,7 @@ def test_tool_choice_none_does_not_parse(scripted_server):
     msg = r.choices[0].message
     assert msg.tool_calls is None and r.choices[0].finish_reason == "stop"
     assert "<" not in msg.content  # markers stripped (skip_special_tokens defaults to true)
-    from trnrt.serve.app import get_state
+    from trnrt.serve import get_state
 
     tok = get_state(scripted_server.app).tokinfo().tokenizer
     prompt = tok.decode(scripted_server.engine.submitted[-1].prompt_token_ids, skip_special_tokens=False)
@@ -251,7 +251,7 @@ def test_chat_multi_turn_with_tool_results(scripted_server):
     ]
     r = scripted_server.client().chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
     assert r.choices[0].finish_reason == "stop"
-    from trnrt.serve.app import get_state
+    from trnrt.serve import get_state
 
     tok = get_state(scripted_server.app).tokinfo().tokenizer
     prompt = tok.decode(scripted_server.engine.submitted[-1].prompt_token_ids, skip_special_tokens=False)
@@ -324,7 +324,7 @@ def test_usage_counts_match_engine(scripted_server):
 # --- auth, shutdown -------------------------------------------------------------------------------
 def test_api_key(tokenizer_factory):
     from serve_support import make_scripted_engine
-    from trnrt.serve.app import ServeSettings
+    from trnrt.serve import ServeSettings
 
     server = start_server(make_scripted_engine(tokenizer_factory), tokenizer_factory,
                           ServeSettings(served_model_name=MODEL, api_key="s3cret"))
@@ -337,7 +337,7 @@ def test_api_key(tokenizer_factory):
         assert server.raw("GET", "/health")[0] == 200
         assert chat(server.client(api_key="s3cret"), "hi").choices[0].finish_reason == "stop"
         # shutting down: 503 in OpenAI's shape
-        from trnrt.serve.app import get_state
+        from trnrt.serve import get_state
 
         get_state(server.app).shutting_down.set()
         with pytest.raises(openai.APIStatusError) as e:
@@ -413,7 +413,7 @@ def test_concurrent_streams_then_idle(any_server):
 def test_default_chat_template_kwargs(tokenizer_factory):
     """--default-chat-template-kwargs apply under the request's own kwargs."""
     from serve_support import make_scripted_engine
-    from trnrt.serve.app import ServeSettings
+    from trnrt.serve import ServeSettings
 
     server = start_server(make_scripted_engine(tokenizer_factory), tokenizer_factory,
                           ServeSettings(served_model_name=MODEL,

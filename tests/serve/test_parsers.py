@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from trnrt.serve.reasoning import ReasoningParser, partial_suffix_len
-from trnrt.serve.tool_calls import ToolCallParser, convert_value
+from trnrt.serve.output.reasoning import ReasoningParser, partial_suffix_len
+from trnrt.serve.output.tool_calls import ToolCallParser, convert_value
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {

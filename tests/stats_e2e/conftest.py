@@ -86,7 +86,7 @@ class RealServer:
 def real_server():
     from trnrt.engine.engine import Engine
     from trnrt.models.tiny import default_model_dir
-    from trnrt.serve.app import ServeSettings, create_app, get_state, hf_tokenizer_factory
+    from trnrt.serve import ServeSettings, create_app, get_state, hf_tokenizer_factory
     from trnrt.serve.server import make_server
 
     # As `trnrt serve --served-model-name trnrt-tiny --api-key ...` builds it: the name reaches the

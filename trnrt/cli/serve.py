@@ -71,7 +71,7 @@ def build_engine(args: ServeArgs):
     HOOK: the real engine is wired here (`Engine.from_model_dir(model_dir, ...)`); it must satisfy
     trnrt.engine.client.EngineClient. `--scripted` serves a ScriptedEngine (no model weights).
     """
-    from trnrt.serve.app import hf_tokenizer_factory
+    from trnrt.serve import hf_tokenizer_factory
 
     model_dir = resolve_model_dir(args)
     tokenizer_factory = hf_tokenizer_factory(args.tokenizer_path or model_dir)
@@ -163,7 +163,7 @@ def serve(
         scripted=scripted, scripted_step_delay_s=scripted_step_delay, compiled=compiled, backend=backend,
         stream_interval=stream_interval,
     )
-    from trnrt.serve.app import ServeSettings, create_app
+    from trnrt.serve import ServeSettings, create_app
     from trnrt.serve.server import run
 
     try:

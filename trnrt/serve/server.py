@@ -20,7 +20,7 @@ import time
 
 from waitress.server import create_server
 
-from trnrt.serve.app import get_state
+from trnrt.serve.http.state import get_state
 
 log = logging.getLogger("trnrt.serve")
 

@@ -9,60 +9,21 @@ client never gets silently different behaviour than it asked for. Pure Python (n
 from __future__ import annotations
 
 import json
-import math
+import logging
 from dataclasses import dataclass, field
-from typing import Any
 
-from trnrt.engine.request import SamplingParams
-from trnrt.serve.errors import OpenAIError, bad_request, unsupported
+from trnrt.engine.request import GenerateRequest, SamplingParams
+from trnrt.serve.http.errors import OpenAIError, bad_request, safe, unsupported
+from trnrt.serve.protocol.fields import NEUTRAL, is_int as _is_int, is_text, read_bool as _bool
+from trnrt.serve.protocol.fields import read_int as _int, read_str as _str, refuse_unserved
+from trnrt.serve.protocol.chat_template import encode_text
+from trnrt.serve.protocol.sampling import OPENAI, check_sampling, read_sampling
 
-MAX_STOP_STRINGS = 16
+log = logging.getLogger("trnrt.serve")
+
 MAX_TOP_LOGPROBS = SamplingParams.MAX_TOP_LOGPROBS
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-# Fields accepted only with the value that means "off" (or an equivalent one); anything else is a
-# 400 naming the field. The value test returns True when the given value is neutral.
-_NEUTRAL: dict[str, Any] = {
-    "n": lambda v: v == 1,
-    "best_of": lambda v: v == 1,
-    "frequency_penalty": lambda v: v == 0,
-    "presence_penalty": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1,
-    "logit_bias": lambda v: v == {},
-    "min_tokens": lambda v: v == 0,
-    "no_stop_trim": lambda v: v is False,
-    "include_stop_str_in_output": lambda v: v is False,
-    "stop_regex": lambda v: v in ([], ""),
-    "regex": lambda v: False,
-    "ebnf": lambda v: False,
-    "json_schema": lambda v: False,
-    "structured_outputs": lambda v: False,
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text" and len(v) == 1,
-    "suffix": lambda v: v == "",
-    "return_hidden_states": lambda v: v is False,
-    "parallel_tool_calls": lambda v: v is True,
-    "priority": lambda v: v == 0,
-    "prompt_logprobs": lambda v: False,
-    "logprob_start_len": lambda v: False,
-    "lora_path": lambda v: False,
-    "custom_logit_processor": lambda v: False,
-    "custom_params": lambda v: False,
-    "thinking_token_budget": lambda v: v == -1,
-    "continue_final_message": lambda v: v is False,
-    "spaces_between_special_tokens": lambda v: v is True,
-    "modalities": lambda v: v == ["text"],
-    "audio": lambda v: False,
-    "functions": lambda v: False,
-    "function_call": lambda v: False,
-    "prediction": lambda v: False,
-    "web_search_options": lambda v: False,
-    "verbosity": lambda v: False,
-}
 
 _COMMON_FIELDS = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
@@ -89,69 +50,13 @@ COMPLETION_FIELDS = _COMMON_FIELDS | {
 }
 
 
-# --- typed readers ------------------------------------------------------------------------------
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
-
-
-def _int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)  # JSON clients sometimes print 16 as 16.0
-    if not _is_int(v):
-        raise bad_request(f"{name} must be an integer, got {v!r}", name)
-    if lo is not None and v < lo:
-        raise bad_request(f"{name} must be >= {lo}, got {v}", name)
-    if hi is not None and v > hi:
-        raise bad_request(f"{name} must be <= {hi}, got {v}", name)
-    return v
-
-
-def _num(body: dict, name: str, default: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_num(v):
-        raise bad_request(f"{name} must be a finite number, got {v!r}", name)
-    return float(v)
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad_request(f"{name} must be a boolean, got {v!r}", name)
-    return v
-
-
-def _str(body: dict, name: str, default: str | None) -> str | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise bad_request(f"{name} must be a string, got {type(v).__name__}", name)
-    return v
-
-
 def _check_fields(body: dict, allowed: set[str]) -> None:
-    for key in body:
-        if key not in allowed:
-            raise bad_request(f"Unrecognized request argument supplied: {key}", key)
-    for key, is_neutral in _NEUTRAL.items():
-        if key in body and body[key] is not None:
-            try:
-                ok = is_neutral(body[key])
-            except Exception:  # an odd type is simply not neutral
-                ok = False
-            if not ok:
-                raise unsupported(key)
+    """Unknown fields are ignored with a warning (as SGLang and vLLM do: routers and SDKs add
+    their own); known fields the engine cannot serve are a 400 naming them."""
+    unknown = [k for k in body if k not in allowed]
+    if unknown:
+        log.warning("ignoring unknown request fields: %s", ", ".join(safe(repr(k)) for k in unknown[:16]))
+    refuse_unserved(body, [k for k in NEUTRAL if k in allowed])
 
 
 # --- parsed requests ----------------------------------------------------------------------------
@@ -204,38 +109,9 @@ def _common(body: dict, max_tokens: int | None) -> tuple[CommonRequest, dict]:
         if _bool(so, "continuous_usage_stats", False):
             raise unsupported("stream_options.continuous_usage_stats")
     _str(body, "user", None)  # metadata only; checked for type
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise bad_request("stop must be a non-empty string or a list of non-empty strings", "stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise bad_request(f"stop accepts at most {MAX_STOP_STRINGS} strings", "stop")
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is None:
-        stop_ids = []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
-        raise bad_request("stop_token_ids must be a list of non-negative integers", "stop_token_ids")
-    temperature = _num(body, "temperature", 1.0)
-    if temperature < 0:
-        raise bad_request(f"temperature must be >= 0, got {temperature}", "temperature")
-    top_p = _num(body, "top_p", 1.0)
-    if not (0.0 < top_p <= 1.0):
-        raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    top_k = _int(body, "top_k", -1, lo=-1)
-    min_p = _num(body, "min_p", 0.0)
-    if not (0.0 <= min_p <= 1.0):
-        raise bad_request(f"min_p must be in [0, 1], got {min_p}", "min_p")
-    seed = _int(body, "seed", None)
-    params = SamplingParams(
-        max_new_tokens=0,  # set once the prompt length is known
-        temperature=temperature, top_p=top_p, top_k=-1 if top_k == 0 else top_k, min_p=min_p, seed=seed,
-        stop=stop, stop_token_ids=stop_ids,
-        ignore_eos=_bool(body, "ignore_eos", False),
-        skip_special_tokens=_bool(body, "skip_special_tokens", True),
-    )
+    # max_new_tokens is set once the prompt length is known; the ranges are checked here (before
+    # any tokenization) and again with the vocabulary once the request is built.
+    params = check_sampling(read_sampling(body, OPENAI), None, OPENAI)
     common = CommonRequest(model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
                            params=params)
     return common, body
@@ -313,6 +189,8 @@ def parse_chat(body: dict) -> ChatRequest:
 def _text_of(content, where: str) -> str:
     """Message content as text: a string, or a list of text parts (other part types are refused)."""
     if isinstance(content, str):
+        if not is_text(content):
+            raise bad_request(f"{where}.content is not valid Unicode (it holds a lone surrogate)", f"{where}.content")
         return content
     if isinstance(content, list):
         parts = []
@@ -322,8 +200,8 @@ def _text_of(content, where: str) -> str:
             if p["type"] not in ("text", "input_text"):
                 raise unsupported(f"{where}.content[{j}].type={p['type']!r}",
                                   "is not supported: this server serves text only")
-            if not isinstance(p.get("text"), str):
-                raise bad_request(f"{where}.content[{j}].text must be a string", f"{where}.content")
+            if not is_text(p.get("text")):
+                raise bad_request(f"{where}.content[{j}].text must be a valid Unicode string", f"{where}.content")
             parts.append(p["text"])
         return "".join(parts)
     raise bad_request(f"{where}.content must be a string or a list of content parts", f"{where}.content")
@@ -346,8 +224,8 @@ def _normalize_message(m, i: int) -> dict:
         out["content"] = _text_of(content, where)
     for k in ("name", "tool_call_id", "reasoning_content"):
         if m.get(k) is not None:
-            if not isinstance(m[k], str):
-                raise bad_request(f"{where}.{k} must be a string", "messages")
+            if not is_text(m[k]):
+                raise bad_request(f"{where}.{k} must be a valid Unicode string", "messages")
             out[k] = m[k]
     if role == "assistant" and m.get("tool_calls"):
         calls = m["tool_calls"]
@@ -411,6 +289,8 @@ def parse_completion(body: dict) -> CompletionRequest:
     for p in prompts:
         if isinstance(p, str) and not p:
             raise bad_request("prompt must not be empty", "prompt")
+        if isinstance(p, str) and not is_text(p):
+            raise bad_request("prompt is not valid Unicode (it holds a lone surrogate)", "prompt")
     echo = _bool(body, "echo", False)
     logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     if echo and logprobs is not None:
@@ -421,8 +301,55 @@ def parse_completion(body: dict) -> CompletionRequest:
 
 def engine_field_to_openai(name: str | None, prompt_param: str = "prompt") -> str | None:
     """SamplingParams / GenerateRequest names back to the request's spelling, for error messages."""
-    return {"max_new_tokens": "max_tokens", "prompt_token_ids": prompt_param}.get(name or "", name)
+    return {"max_new_tokens": "max_tokens", "prompt_token_ids": prompt_param, "rid": None}.get(name or "", name)
+
+
+# --- to the engine ------------------------------------------------------------------------------
+def context_check(ctx: int, creq: CommonRequest, n_prompt: int, param: str) -> int:
+    """max_new_tokens for a prompt of `n_prompt` tokens; SGLang's messages for prompts that do not fit."""
+    if n_prompt >= ctx:
+        raise bad_request(f"The input ({n_prompt} tokens) is longer than the model's context length "
+                          f"({ctx} tokens): {param} must tokenize to fewer than {ctx} tokens.", param)
+    if creq.max_tokens is None:
+        return ctx - n_prompt
+    if n_prompt + creq.max_tokens > ctx:
+        raise bad_request(
+            f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested "
+            f"a total of {n_prompt + creq.max_tokens} tokens: {n_prompt} tokens from the input messages and "
+            f"{creq.max_tokens} tokens for the completion ({creq.max_tokens_param}). Please reduce the number of "
+            f"tokens in the input messages or the completion to fit within the limit.", creq.max_tokens_param)
+    return creq.max_tokens
+
+
+def chat_to_engine_request(creq: ChatRequest, prompt_ids: list[int], ctx: int, vocab_size: int) -> GenerateRequest:
+    """The engine request of a rendered chat request (context and sampling ranges checked)."""
+    creq.params.max_new_tokens = context_check(ctx, creq, len(prompt_ids), "messages")
+    check_sampling(creq.params, vocab_size, OPENAI)
+    return GenerateRequest(prompt_ids, creq.params, stream=creq.stream)
+
+
+def completion_to_engine_requests(creq: CompletionRequest, tokenizer, ctx: int, vocab_size: int
+                                  ) -> tuple[list[GenerateRequest], list[str]]:
+    """One engine request per prompt, and the echo text of each."""
+    reqs, echo_texts = [], []
+    for p in creq.prompts:
+        if isinstance(p, str):
+            ids = encode_text(tokenizer, p, "prompt")
+            if not ids:
+                raise bad_request("prompt tokenized to no tokens", "prompt")
+            echo_texts.append(p)
+        else:
+            bad = next((t for t in p if not (0 <= t < vocab_size)), None)
+            if bad is not None:
+                raise bad_request(f"prompt contains an out-of-vocabulary token id {bad} (vocab size {vocab_size})",
+                                  "prompt")
+            ids = p
+            echo_texts.append(tokenizer.decode(ids, skip_special_tokens=False) if creq.echo else "")
+        params = creq.params.clone(max_new_tokens=context_check(ctx, creq, len(ids), "prompt"))
+        check_sampling(params, vocab_size, OPENAI)
+        reqs.append(GenerateRequest(ids, params, stream=creq.stream))
+    return reqs, echo_texts
 
 
 __all__ = ["ChatRequest", "CompletionRequest", "OpenAIError", "parse_chat", "parse_completion",
-           "engine_field_to_openai"]
+           "engine_field_to_openai", "chat_to_engine_request", "completion_to_engine_requests", "context_check"]

@@ -1,8 +1,17 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""Error envelopes, one per API, and the handlers that render them.
 
-Every failure the server reports goes through here: our own `OpenAIError`s, Falcon's `HTTPError`s
+Every failure the server reports goes through here: our own `APIError`s, Falcon's `HTTPError`s
 (unknown route, wrong method) via the error serializer, and anything unexpected via a last-resort
 handler that logs and answers 500 without a traceback.
+
+Shapes (docs/API.md "Errors"):
+- OpenAI (and the default for every route): `{"error": {"message", "type", "param", "code"}}`.
+- SGLang's `/generate` contract check (an unknown `sampling_params` key, a wrong JSON type):
+  `{"error": "<text>"}` (`SGLangContractError`), as SGLang 0.5.23's generated contract answers.
+- SGLang's system aborts (queue full, shutdown) on `/generate`: `{"object": "error", "message",
+  "type": "<status>", "param", "code"}` (`SGLangObjectError`).
+SGLang's value errors (`{"error": {"message"}}`) are a subset of the OpenAI envelope, so they use it.
+Messages never echo unescaped client bytes: `safe()` escapes what could not be encoded.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ _TYPE_BY_STATUS = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -29,21 +39,33 @@ _TYPE_BY_STATUS = {
 }
 
 
+def safe(text: str) -> str:
+    """`text` with anything that is not encodable UTF-8 (lone surrogates) escaped."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None, type_: str | None = None,
                code: str | int | None = None) -> dict:
     """The OpenAI error envelope as a dict."""
     return {
         "error": {
-            "message": message,
+            "message": safe(message),
             "type": type_ or _TYPE_BY_STATUS.get(status, "invalid_request_error"),
-            "param": param,
+            "param": safe(param) if isinstance(param, str) else param,
             "code": code if code is not None else status,
         }
     }
 
 
-class OpenAIError(Exception):
-    """An error answered with `status` and the OpenAI envelope. `param` names the offending field."""
+class APIError(Exception):
+    """An error answered with `status` in the OpenAI envelope. `param` names the offending field.
+
+    Subclasses render other APIs' envelopes (`to_dict`); the status and message are the same idea.
+    """
 
     def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
                  code: str | int | None = None):
@@ -58,7 +80,7 @@ class OpenAIError(Exception):
         return error_body(self.status, self.message, self.param, self.type, self.code)
 
     @staticmethod
-    def handle(req, resp, ex: "OpenAIError", params) -> None:
+    def handle(req, resp, ex: "APIError", params) -> None:
         resp.status = ex.status
         resp.content_type = falcon.MEDIA_JSON
         resp.text = json.dumps(ex.to_dict(), ensure_ascii=False)
@@ -66,17 +88,43 @@ class OpenAIError(Exception):
             resp.set_header("WWW-Authenticate", "Bearer")
 
 
-def bad_request(message: str, param: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, param)
+# The name every OpenAI route uses; the envelope is the default one.
+OpenAIError = APIError
 
 
-def unsupported(param: str, why: str = "is not supported by this server yet") -> OpenAIError:
+class SGLangContractError(APIError):
+    """SGLang's contract violation: `{"error": "<text>"}` (the text names the field)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(400, message, param)
+
+    def to_dict(self) -> dict:
+        return {"error": safe(self.message)}
+
+
+class SGLangObjectError(APIError):
+    """SGLang's HTTPException envelope for system aborts: `{"object": "error", ...}`."""
+
+    def to_dict(self) -> dict:
+        return {"object": "error", "message": safe(self.message), "type": str(self.status), "param": self.param,
+                "code": self.status}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def unsupported(param: str, why: str = "is not supported by this server yet") -> APIError:
     """A field the engine cannot serve: refused by name rather than silently ignored."""
-    return OpenAIError(400, f"{param} {why}", param, code="unsupported_parameter")
+    return APIError(400, f"{param} {why}", param, code="unsupported_parameter")
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, type_="service_unavailable")
 
 
 def serialize_http_error(req, resp, exception: falcon.HTTPError) -> None:
-    """Falcon's own errors (404 route, 405 method, ...) in the same envelope."""
+    """Falcon's own errors (404 route, 405 method, ...) in the OpenAI envelope."""
     status = exception.status_code
     message = exception.title or str(status)
     if exception.description:
@@ -89,7 +137,7 @@ def handle_unexpected(req, resp, ex: Exception, params) -> None:
     """Last resort: log with traceback, answer 500 without one. Any hit here is a bug to fix."""
     if isinstance(ex, (falcon.HTTPError, falcon.HTTPStatus)):
         raise ex  # Falcon's own handlers render these
-    log.exception("unhandled error on %s %s", req.method, req.path)
+    log.exception("unhandled error on %s %s", req.method, safe(req.path))
     resp.status = 500
     resp.content_type = falcon.MEDIA_JSON
     resp.text = json.dumps(error_body(500, f"Internal server error: {type(ex).__name__}"))
@@ -98,5 +146,5 @@ def handle_unexpected(req, resp, ex: Exception, params) -> None:
 def register(app: falcon.App) -> None:
     """Install the handlers on `app` (most specific wins in Falcon >= 3)."""
     app.add_error_handler(Exception, handle_unexpected)
-    app.add_error_handler(OpenAIError, OpenAIError.handle)
+    app.add_error_handler(APIError, APIError.handle)
     app.set_error_serializer(serialize_http_error)

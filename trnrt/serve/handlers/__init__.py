@@ -1,0 +1,1 @@
+"""One module per route family, on handlers/base.py: admit -> parse -> render -> submit -> drain."""

@@ -1,0 +1,134 @@
+"""What every generation route shares: admit -> parse -> render -> submit -> drain -> close.
+
+A route handler parses its body with its API's protocol module, builds engine requests, and calls
+`submit()`, which takes an admission slot and submits them together (`EngineClient.submit_many`).
+The returned `Submitted` drains the engine streams (checking for a client that left) and, in
+`close()` — which runs in a `finally` for JSON bodies and from the WSGI body's close() for SSE —
+aborts whatever has not finished and releases the admission slot. `respond()` hands a renderer
+(output/) either the collected outputs (one JSON body) or the stream (SSE). Everything that can
+fail because of the input fails before the first byte, so it gets a proper 4xx; failures after
+that become the API's in-band error event.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator, Protocol
+
+from trnrt.engine.outputs import RequestOutput
+from trnrt.engine.request import GenerateRequest, InvalidRequestError
+from trnrt.serve.http import sse
+from trnrt.serve.http.body import read_json
+from trnrt.serve.http.errors import APIError, bad_request, unavailable
+from trnrt.serve.http.state import ServeState
+
+log = logging.getLogger("trnrt.serve")
+
+
+class Renderer(Protocol):
+    """An API's response shape over the outputs of one HTTP request's engine requests."""
+
+    def collect(self, outputs: Iterator[tuple[int, RequestOutput]]):
+        """The whole non-streamed body (JSON-able)."""
+
+    def sse(self, outputs: Iterator[tuple[int, RequestOutput]]) -> Iterator[bytes]:
+        """SSE events, ending with the API's terminator."""
+
+    def error_event(self, err: APIError) -> list[bytes]:
+        """The in-band events for an error after the stream started."""
+
+
+def begin(st: ServeState, req, parse):
+    """The common start of a POST: shutdown check, body parsing, model check, this thread's tokenizer."""
+    st.check_accepting()
+    creq = parse(read_json(req, st.settings.max_request_bytes))
+    st.check_model(getattr(creq, "model", None))
+    return creq, st.tokinfo()
+
+
+def client_gone(req) -> Callable[[], bool]:
+    probe = req.env.get("waitress.client_disconnected")
+    return probe if probe is not None else (lambda: False)
+
+
+class Submitted:
+    """The engine requests of one HTTP request in flight: their streams, draining, and cleanup."""
+
+    def __init__(self, st: ServeState, reqs: list[GenerateRequest], streams: list):
+        self.st, self.reqs, self.streams = st, reqs, streams
+        self.done = [False] * len(reqs)
+        self.closed = False
+
+    def outputs(self, gone: Callable[[], bool]) -> Iterator[tuple[int, RequestOutput]]:
+        """(index, output) until every request finished; raises sse.ClientGone if the client left."""
+        for i, o in sse.drain_streams(self.streams, gone, self.st.settings.poll_interval_s):
+            if o.finished:
+                self.done[i] = True
+            yield i, o
+
+    def close(self) -> None:
+        """Abort what has not finished (a no-op for finished requests) and release admission."""
+        if self.closed:
+            return
+        self.closed = True
+        for g, d in zip(self.reqs, self.done):
+            if not d:
+                self.st.engine.abort(g.request_id)
+        self.st.release()
+
+
+def submit(st: ServeState, reqs: list[GenerateRequest], field_name: Callable[[str | None], str | None],
+           err: Callable[[str, str | None], APIError] = bad_request) -> Submitted:
+    """Admit (503 when the HTTP layer is full) and submit `reqs` together; an engine refusal is a
+    4xx naming the field as the client spelled it (`field_name` maps engine names)."""
+    st.acquire()
+    try:
+        streams = st.engine.submit_many(reqs) if hasattr(st.engine, "submit_many") else [st.engine.submit(r) for r in reqs]  # TODO(scripted runner): drop the fallback
+    except InvalidRequestError as e:
+        st.release()
+        raise err(str(e), field_name(e.field))
+    except Exception as e:  # engine stopped or broken: not the client's fault, not a 500 either
+        st.release()
+        log.warning("engine refused request %s: %s", reqs[0].request_id if reqs else "-", e)
+        raise unavailable(f"The engine cannot accept requests: {e}")
+    except BaseException:
+        st.release()
+        raise
+    return Submitted(st, reqs, list(streams))
+
+
+def sse_headers(resp) -> None:
+    resp.content_type = "text/event-stream"
+    resp.set_header("Cache-Control", "no-cache")
+    resp.set_header("X-Accel-Buffering", "no")
+
+
+def respond(req, resp, sub: Submitted, renderer: Renderer, stream: bool) -> None:
+    """An SSE body (closed by the server when done or when the client goes away) or the
+    collected JSON; `sub` is closed either way."""
+    gone = client_gone(req)
+    if stream:
+        sse_headers(resp)
+        resp.stream = sse.StreamBody(_sse_body(sub, renderer, gone), sub.close)
+        return
+    try:
+        resp.media = renderer.collect(sub.outputs(gone))
+    except sse.ClientGone:
+        raise bad_request("client closed the request")  # nobody reads it; the abort is what matters
+    finally:
+        sub.close()
+
+
+def _sse_body(sub: Submitted, renderer: Renderer, gone) -> Iterator[bytes]:
+    try:
+        yield from renderer.sse(sub.outputs(gone))
+    except sse.ClientGone:
+        return
+    except APIError as e:  # after the headers the status cannot change: report in-band
+        yield from renderer.error_event(e)
+    except Exception as e:
+        log.exception("stream of %s failed", sub.reqs[0].request_id if sub.reqs else "-")
+        yield from renderer.error_event(APIError(500, f"Internal server error: {type(e).__name__}",
+                                                 type_="internal_error"))
+    finally:
+        sub.close()

@@ -1,0 +1,78 @@
+"""OpenAI routes: /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+from trnrt.serve.handlers.base import begin, respond, submit
+from trnrt.serve.http.state import ServeState
+from trnrt.serve.output.assembler import ChatOutput, TokenCounter
+from trnrt.serve.output.openai import ChatRenderer, CompletionRenderer
+from trnrt.serve.output.reasoning import ReasoningParser
+from trnrt.serve.output.tool_calls import ToolCallParser
+from trnrt.serve.protocol.chat_template import apply_template_defaults, render_chat
+from trnrt.serve.protocol.openai import (chat_to_engine_request, completion_to_engine_requests,
+                                         engine_field_to_openai, parse_chat, parse_completion)
+
+
+def model_card(state: ServeState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "trnrt",
+            "root": state.engine.model_info.model_path, "parent": None, "max_model_len": state.context_len}
+
+
+class Models:
+    def __init__(self, state: ServeState):
+        self.state = state
+
+    def on_get(self, req, resp) -> None:
+        resp.media = {"object": "list", "data": [model_card(self.state)]}
+
+
+class Model:
+    def __init__(self, state: ServeState):
+        self.state = state
+
+    def on_get(self, req, resp, model_id: str) -> None:
+        self.state.check_model(model_id)
+        resp.media = model_card(self.state)
+
+
+class ChatCompletions:
+    def __init__(self, state: ServeState):
+        self.state = state
+
+    def on_post(self, req, resp) -> None:
+        st = self.state
+        creq, ti = begin(st, req, parse_chat)
+        apply_template_defaults(creq, st.settings.default_chat_template_kwargs)
+        prompt = render_chat(ti.tokenizer, creq)
+
+        use_tools = bool(creq.tools) and creq.tool_choice != "none" and st.settings.tool_call_parser is not None
+        use_reasoning = (st.settings.reasoning_parser is not None and ti.has_think and creq.enable_thinking
+                         and creq.separate_reasoning)
+        # The markers are special tokens: the engine must keep them for the parsers; the
+        # server strips special tokens afterwards if the client asked for that.
+        if use_tools or use_reasoning:
+            creq.params.skip_special_tokens = False
+        greq = chat_to_engine_request(creq, prompt.ids, st.context_len, st.engine.model_info.vocab_size)
+
+        reasoning = (ReasoningParser(forced=prompt.forced_reasoning, tool_start="<tool_call>" if use_tools else None)
+                     if use_reasoning else None)
+        tools = ToolCallParser(creq.tools, st.settings.tool_call_parser) if use_tools else None
+        out = ChatOutput(ti, reasoning, tools, strip_special=creq.user_skip_special_tokens,
+                         stream_reasoning=creq.stream_reasoning)
+        counter = TokenCounter(len(prompt.ids), ti, count_reasoning=use_reasoning, forced=prompt.forced_reasoning)
+        sub = submit(st, [greq], lambda f: engine_field_to_openai(f, "messages"))
+        respond(req, resp, sub, ChatRenderer(st.model_name, ti, creq, out, counter), creq.stream)
+
+
+class Completions:
+    def __init__(self, state: ServeState):
+        self.state = state
+
+    def on_post(self, req, resp) -> None:
+        st = self.state
+        creq, ti = begin(st, req, parse_completion)
+        reqs, echo_texts = completion_to_engine_requests(creq, ti.tokenizer, st.context_len,
+                                                         st.engine.model_info.vocab_size)
+        sub = submit(st, reqs, lambda f: engine_field_to_openai(f, "prompt"))
+        renderer = CompletionRenderer(st.model_name, ti, creq, [len(r.prompt_token_ids) for r in reqs], echo_texts)
+        respond(req, resp, sub, renderer, creq.stream)

@@ -1,0 +1,169 @@
+"""State the route handlers share: server settings, per-thread tokenizers, admission.
+
+`ServeSettings` are server-side (never graph-shaping, never part of EngineConfig). `ServeState`
+holds the engine client, the settings, one tokenizer per waitress thread (HF fast tokenizers must
+not be shared across threads) and the HTTP layer's admission counter.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from trnrt.engine.client import EngineClient
+from trnrt.serve.http.errors import OpenAIError
+
+TOOL_CALL_PARSERS = ("glm47", "glm45")
+REASONING_PARSERS = ("glm45",)
+
+
+@dataclass
+class ServeSettings:
+    """Server-side settings (not graph-shaping: never part of EngineConfig).
+
+    served_model_name: the model id clients must name (None: the engine's `served_model_name`).
+    api_key: when set, every route but /health needs `Authorization: Bearer <api_key>`.
+    context_length: cap on prompt + completion tokens (None: the engine's `max_model_len`).
+    tool_call_parser / reasoning_parser: GLM parsers, or None to pass raw text through.
+    max_concurrent_requests: generation requests the HTTP layer holds at once (each holds a
+        waitress thread); beyond it a request gets 503 at once, so control routes keep a thread.
+    max_request_bytes: larger bodies get 413.
+    poll_interval_s: how often a waiting worker checks for a disconnected client.
+    default_chat_template_kwargs: merged under each request's chat_template_kwargs.
+    """
+
+    served_model_name: str | None = None
+    api_key: str | None = None
+    context_length: int | None = None
+    tool_call_parser: str | None = "glm47"
+    reasoning_parser: str | None = "glm45"
+    max_concurrent_requests: int = 128
+    max_request_bytes: int = 16 * 1024 * 1024
+    poll_interval_s: float = 0.05
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS} or None")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or None")
+        if self.max_concurrent_requests < 1:
+            raise ValueError("max_concurrent_requests must be >= 1")
+
+
+class TokenizerInfo:
+    """One thread's tokenizer plus what the routes read from it (markers, special tokens)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        added = dict(getattr(tokenizer, "added_tokens_encoder", {}) or {})
+        # Markers are looked up by text, never by hard-coded id.
+        self.marker_ids = {s: added[s] for s in ("<think>", "</think>", "<tool_call>", "</tool_call>") if s in added}
+        special = set(getattr(tokenizer, "all_special_tokens", []) or [])
+        for tok in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values():
+            if getattr(tok, "special", False):
+                special.add(tok.content)
+        special.discard("")
+        self.special_tokens = special
+        self._special_re = (re.compile("|".join(re.escape(s) for s in sorted(special, key=len, reverse=True)))
+                            if special else None)
+        self._piece_cache: dict[int, str] = {}
+
+    @property
+    def has_think(self) -> bool:
+        return "<think>" in self.marker_ids and "</think>" in self.marker_ids
+
+    def strip_special(self, text: str) -> str:
+        """Remove special-token texts (what skip_special_tokens would have removed)."""
+        return self._special_re.sub("", text) if (self._special_re and text) else text
+
+    def piece(self, token_id: int) -> str:
+        """The text of one token (for logprobs)."""
+        s = self._piece_cache.get(token_id)
+        if s is None:
+            s = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._piece_cache) < 65536:
+                self._piece_cache[token_id] = s
+        return s
+
+
+class ServeState:
+    """Everything the resources share: engine, settings, per-thread tokenizers, admission."""
+
+    def __init__(self, engine: EngineClient, tokenizer_factory: Callable[[], object], settings: ServeSettings):
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer_factory = tokenizer_factory
+        info = engine.model_info
+        self.model_name = settings.served_model_name or info.served_model_name
+        self.context_len = min(settings.context_length or info.max_model_len, info.max_model_len)
+        self.created = int(time.time())
+        self.shutting_down = threading.Event()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._active = 0
+        self._idle = threading.Condition(self._lock)
+
+    def tokinfo(self) -> TokenizerInfo:
+        """This thread's tokenizer (HF fast tokenizers must not be shared across threads)."""
+        ti = getattr(self._local, "ti", None)
+        if ti is None:
+            ti = self._local.ti = TokenizerInfo(self.tokenizer_factory())
+        return ti
+
+    def check_accepting(self) -> None:
+        if self.shutting_down.is_set():
+            raise OpenAIError(503, "The server is shutting down.", type_="service_unavailable")
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise OpenAIError(404, f"The model `{name}` does not exist.", "model", code="model_not_found")
+
+    def acquire(self) -> None:
+        """Admit one generation request or answer 503 (the HTTP layer is at capacity)."""
+        with self._lock:
+            if self._active >= self.settings.max_concurrent_requests:
+                raise OpenAIError(503, "The server is at capacity (max_concurrent_requests); retry later.",
+                                  type_="service_unavailable")
+            self._active += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._active -= 1
+            self._idle.notify_all()
+
+    @property
+    def active_requests(self) -> int:
+        with self._lock:
+            return self._active
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no generation request is in flight (graceful shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._active:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+
+
+def hf_tokenizer_factory(model_dir: str) -> Callable[[], object]:
+    """A factory loading the HF tokenizer in `model_dir` (transformers imported lazily)."""
+
+    def make():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir)
+
+    return make
+
+
+def get_state(app) -> "ServeState":
+    """The ServeState behind an app made by trnrt.serve.app.create_app."""
+    return app.serve_state

@@ -1,0 +1,1 @@
+"""The shared output assembler (assembler.py), the GLM parsers, and each API's renderer."""

@@ -1,0 +1,1 @@
+"""Request bodies -> dataclasses -> engine requests, one module per API; validation happens here."""
