@@ -13,7 +13,7 @@ from typing import Callable
 import falcon
 
 from trnrt.engine.client import EngineClient
-from trnrt.serve.handlers import info, openai
+from trnrt.serve.handlers import generate, info, openai
 from trnrt.serve.http import errors
 from trnrt.serve.http.auth import AuthMiddleware
 from trnrt.serve.http.state import ServeSettings, ServeState, get_state  # noqa: F401 (exported)
@@ -52,6 +52,8 @@ def create_app(engine_client: EngineClient, tokenizer_factory: Callable[[], obje
         "/v1/models/{model_id:path}": openai.Model(state),
         "/v1/completions": openai.Completions(state),
         "/v1/chat/completions": openai.ChatCompletions(state),
+        # SGLang native
+        "/generate": generate.Generate(state),
     }
     for path, resource in routes.items():
         app.add_route(path, resource)

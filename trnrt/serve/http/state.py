@@ -33,6 +33,7 @@ class ServeSettings:
     max_request_bytes: larger bodies get 413.
     poll_interval_s: how often a waiting worker checks for a disconnected client.
     default_chat_template_kwargs: merged under each request's chat_template_kwargs.
+    incremental_streaming_output: SGLang's flag: /generate streams carry deltas, not cumulative text.
     """
 
     served_model_name: str | None = None
@@ -44,6 +45,7 @@ class ServeSettings:
     max_request_bytes: int = 16 * 1024 * 1024
     poll_interval_s: float = 0.05
     default_chat_template_kwargs: dict = field(default_factory=dict)
+    incremental_streaming_output: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):

@@ -33,7 +33,8 @@ class Spelling:
 
 
 OPENAI = Spelling({"max_new_tokens": "max_tokens", "seed": "seed"})
-SGLANG = Spelling({"max_new_tokens": "max_new_tokens", "seed": "sampling_seed"}, prefix="")
+# SGLang's sampling_params object (error labels name the nesting).
+SGLANG = Spelling({"max_new_tokens": "max_new_tokens", "seed": "sampling_seed"}, prefix="sampling_params.")
 
 
 def read_sampling(body: dict, spelling: Spelling, *, err: ErrorFactory = bad_request,

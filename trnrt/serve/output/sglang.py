@@ -1,0 +1,148 @@
+"""SGLang's `/generate` renderer: `{"text", "output_ids", "meta_info"}` objects and SSE streams.
+
+Non-streamed: one object, or a list for a batch (in prompt order). Streamed (SGLang's default):
+every chunk holds the *cumulative* `text`, `output_ids` and logprob arrays of its item plus the
+current `meta_info` (`finish_reason` null until the last chunk; a batch adds `index`), then
+`data: [DONE]` — what `bench_serving --backend sglang` parses. With the server's
+`--incremental-streaming-output`, chunks carry deltas instead.
+
+`meta_info.finish_reason`: `{"type": "stop", "matched": <token id | stop string>}`,
+`{"type": "length", "length": <completion tokens>}`, `{"type": "abort", "message": ...}` (with
+`status_code` for system aborts). Logprobs are SGLang's tuples `[logprob, token_id, text | null]`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+from trnrt.engine.outputs import RequestOutput, TokenLogprob
+from trnrt.serve.http import sse
+from trnrt.serve.http.errors import APIError, SGLangObjectError
+from trnrt.serve.output.assembler import TokenCounter
+
+
+def finish_reason_json(o: RequestOutput) -> dict | None:
+    fr = o.finish_reason
+    if not o.finished or fr is None:
+        return None
+    if fr.type == "length":
+        return {"type": "length", "length": o.num_output_tokens}
+    if fr.type == "abort":
+        d = {"type": "abort", "message": fr.message or "Aborted"}
+        status = getattr(fr, "status_code", None)
+        if status is not None or o.error:
+            d["status_code"] = status if status is not None else 500
+            d["err_type"] = "internal_error" if o.error else None
+        return d
+    return {"type": "stop", "matched": fr.matched}
+
+
+def system_error(o: RequestOutput) -> APIError | None:
+    """The HTTP error a non-streamed finish stands for: an engine error (500) or a system abort
+    with a status; None for normal finishes and client/admin aborts (HTTP 200, type abort)."""
+    fr = o.finish_reason
+    if fr is None or fr.type != "abort":
+        return None
+    if o.error:
+        return SGLangObjectError(500, f"The request failed in the engine: {o.error}")
+    status = getattr(fr, "status_code", None)
+    if status:
+        return SGLangObjectError(status, fr.message or "aborted")
+    return None
+
+
+class _Item:
+    """Accumulated state of one batch item."""
+
+    def __init__(self, rid: str, n_prompt: int, prompt_ids: list[int]):
+        self.rid = rid
+        self.prompt_ids = prompt_ids
+        self.counter = TokenCounter(n_prompt)
+        self.text = ""
+        self.ids: list[int] = []
+        self.lps: list[TokenLogprob] = []
+        self.last: RequestOutput | None = None
+        self.sent_ts: float | None = None
+
+
+class GenerateRenderer:
+    """One /generate HTTP request (one item or a batch)."""
+
+    def __init__(self, ti, greq, engine_reqs, t_start: float, incremental: bool = False):
+        self.ti, self.greq = ti, greq
+        self.items = [_Item(r.request_id, len(r.prompt_token_ids), r.prompt_token_ids) for r in engine_reqs]
+        self.t_start = t_start  # monotonic, when the HTTP request arrived (for e2e_latency)
+        self.incremental = incremental
+
+    def error_event(self, err: APIError) -> list[bytes]:
+        # SGLang: errors after the stream started are an error object, then [DONE].
+        return [sse.event({"error": {"message": err.message, "type": err.type or "invalid_request_error",
+                                     "code": err.status, "retryable": err.status >= 500}}), sse.DONE]
+
+    def _add(self, i: int, o: RequestOutput) -> None:
+        it = self.items[i]
+        it.counter.add(o)
+        it.text += o.new_text
+        it.ids.extend(o.new_token_ids)
+        if o.new_logprobs:
+            it.lps.extend(o.new_logprobs)
+        it.last = o
+
+    def _lp_tuple(self, token_id: int, logprob: float) -> list:
+        text = self.ti.piece(token_id) if self.greq.return_text_in_logprobs else None
+        return [logprob, token_id, text]
+
+    def _logprob_fields(self, i: int, lps: list[TokenLogprob]) -> dict:
+        item = self.greq.items[i]
+        d = {"input_token_logprobs": [], "output_token_logprobs": [self._lp_tuple(lp.token_id, lp.logprob)
+                                                                   for lp in lps],
+             "output_token_logprobs_length": len(self.items[i].lps)}
+        if item.top_logprobs_num > 0:
+            d["input_top_logprobs"] = []
+            d["output_top_logprobs"] = [[self._lp_tuple(t, v) for t, v in lp.top[:item.top_logprobs_num]]
+                                        for lp in lps]
+        return d
+
+    def _object(self, i: int, text: str, ids: list[int], lps: list[TokenLogprob]) -> dict:
+        it = self.items[i]
+        o = it.last
+        c = it.counter
+        meta = {"id": it.rid, "finish_reason": finish_reason_json(o) if o is not None else None,
+                "prompt_tokens": c.n_prompt, "weight_version": "default", "num_retractions": 0,
+                "reasoning_tokens": 0, "completion_tokens": c.num_output, "cached_tokens": c.num_cached}
+        if self.greq.items[i].return_logprob:
+            meta.update(self._logprob_fields(i, lps))
+        if o is not None and o.finished:
+            meta["e2e_latency"] = round(time.monotonic() - self.t_start, 6)
+        if it.sent_ts is None:
+            it.sent_ts = time.time()
+            meta["response_sent_to_client_ts"] = it.sent_ts
+        d = {"text": text, "output_ids": ids, "meta_info": meta}
+        if self.greq.return_prompt_token_ids:
+            d["prompt_token_ids"] = list(it.prompt_ids)
+        return d
+
+    def collect(self, outputs: Iterator[tuple[int, RequestOutput]]):
+        for i, o in outputs:
+            self._add(i, o)
+        for it in self.items:
+            err = system_error(it.last)
+            if err is not None:
+                raise err
+        objs = [self._object(i, it.text, it.ids, it.lps) for i, it in enumerate(self.items)]
+        return objs if self.greq.is_batch else objs[0]
+
+    def sse(self, outputs: Iterator[tuple[int, RequestOutput]]) -> Iterator[bytes]:
+        for i, o in outputs:
+            self._add(i, o)
+            it = self.items[i]
+            if self.incremental:
+                n_lp = len(o.new_logprobs or [])
+                obj = self._object(i, o.new_text, list(o.new_token_ids), it.lps[len(it.lps) - n_lp:])
+            else:
+                obj = self._object(i, it.text, list(it.ids), it.lps)
+            if self.greq.is_batch:
+                obj["index"] = i
+            yield sse.event(obj)
+        yield sse.DONE
