@@ -27,7 +27,7 @@ MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _COMMON_FIELDS = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-    "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "user",
+    "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "user", "rid", "request_id",
 }
 CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
@@ -70,6 +70,7 @@ class CommonRequest:
     max_tokens: int | None
     params: SamplingParams
     max_tokens_param: str = "max_tokens"  # the spelling the client used, for error messages
+    rid: str | None = None  # the engine request id the client chose (SGLang `rid`, vLLM `request_id`)
 
 
 @dataclass
@@ -112,8 +113,12 @@ def _common(body: dict, max_tokens: int | None) -> tuple[CommonRequest, dict]:
     # max_new_tokens is set once the prompt length is known; the ranges are checked here (before
     # any tokenization) and again with the vocabulary once the request is built.
     params = check_sampling(read_sampling(body, OPENAI), None, OPENAI)
+    rid = _str(body, "rid", None)
+    rid = _str(body, "request_id", None) if rid is None else rid
+    if rid is not None and not rid:
+        raise bad_request("rid must be a non-empty string", "rid" if "rid" in body else "request_id")
     common = CommonRequest(model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-                           params=params)
+                           params=params, rid=rid)
     return common, body
 
 
@@ -301,7 +306,7 @@ def parse_completion(body: dict) -> CompletionRequest:
 
 def engine_field_to_openai(name: str | None, prompt_param: str = "prompt") -> str | None:
     """SamplingParams / GenerateRequest names back to the request's spelling, for error messages."""
-    return {"max_new_tokens": "max_tokens", "prompt_token_ids": prompt_param, "rid": None}.get(name or "", name)
+    return {"max_new_tokens": "max_tokens", "prompt_token_ids": prompt_param}.get(name or "", name)
 
 
 # --- to the engine ------------------------------------------------------------------------------
@@ -325,14 +330,15 @@ def chat_to_engine_request(creq: ChatRequest, prompt_ids: list[int], ctx: int, v
     """The engine request of a rendered chat request (context and sampling ranges checked)."""
     creq.params.max_new_tokens = context_check(ctx, creq, len(prompt_ids), "messages")
     check_sampling(creq.params, vocab_size, OPENAI)
-    return GenerateRequest(prompt_ids, creq.params, stream=creq.stream)
+    kw = {"request_id": creq.rid} if creq.rid else {}
+    return GenerateRequest(prompt_ids, creq.params, stream=creq.stream, **kw)
 
 
 def completion_to_engine_requests(creq: CompletionRequest, tokenizer, ctx: int, vocab_size: int
                                   ) -> tuple[list[GenerateRequest], list[str]]:
     """One engine request per prompt, and the echo text of each."""
     reqs, echo_texts = [], []
-    for p in creq.prompts:
+    for i, p in enumerate(creq.prompts):
         if isinstance(p, str):
             ids = encode_text(tokenizer, p, "prompt")
             if not ids:
@@ -347,7 +353,10 @@ def completion_to_engine_requests(creq: CompletionRequest, tokenizer, ctx: int, 
             echo_texts.append(tokenizer.decode(ids, skip_special_tokens=False) if creq.echo else "")
         params = creq.params.clone(max_new_tokens=context_check(ctx, creq, len(ids), "prompt"))
         check_sampling(params, vocab_size, OPENAI)
-        reqs.append(GenerateRequest(ids, params, stream=creq.stream))
+        kw = {}
+        if creq.rid:  # several prompts: SGLang's batch rule, rid_i
+            kw["request_id"] = creq.rid if len(creq.prompts) == 1 else f"{creq.rid}_{i}"
+        reqs.append(GenerateRequest(ids, params, stream=creq.stream, **kw))
     return reqs, echo_texts
 
 
