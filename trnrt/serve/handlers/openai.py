@@ -43,7 +43,7 @@ class ChatCompletions:
         st = self.state
         creq, ti = begin(st, req, parse_chat)
         apply_template_defaults(creq, st.settings.default_chat_template_kwargs)
-        prompt = render_chat(ti.tokenizer, creq)
+        prompt = render_chat(ti.tokenizer, creq, max_tokens=st.context_len)
 
         use_tools = bool(creq.tools) and creq.tool_choice != "none" and st.settings.tool_call_parser is not None
         use_reasoning = (st.settings.reasoning_parser is not None and ti.has_think and creq.enable_thinking

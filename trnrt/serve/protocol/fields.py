@@ -35,6 +35,22 @@ def is_text(v) -> bool:
         return False
 
 
+def check_unicode_tree(value, label: str, err: ErrorFactory = bad_request, _depth: int = 0) -> None:
+    """Every string (keys included) inside a JSON value is valid Unicode, or a 400 naming `label`."""
+    if _depth > 64:
+        raise err(f"{label} is nested too deeply", label)
+    if isinstance(value, str):
+        if not is_text(value):
+            raise err(f"{label} is not valid Unicode (it holds a lone surrogate)", label)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_unicode_tree(k, label, err, _depth + 1)
+            check_unicode_tree(v, label, err, _depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            check_unicode_tree(v, label, err, _depth + 1)
+
+
 def read_int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None, *,
              label: str | None = None, err: ErrorFactory = bad_request):
     label = label or name

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 
 from trnrt.engine.request import GenerateRequest, SamplingParams
 from trnrt.serve.http.errors import OpenAIError, bad_request, safe, unsupported
-from trnrt.serve.protocol.fields import NEUTRAL, is_int as _is_int, is_text, read_bool as _bool
+from trnrt.serve.protocol.fields import NEUTRAL, check_unicode_tree, is_int as _is_int, is_text, read_bool as _bool
 from trnrt.serve.protocol.fields import read_int as _int, read_str as _str, refuse_unserved
 from trnrt.serve.protocol.chat_template import encode_text
 from trnrt.serve.protocol.sampling import OPENAI, check_sampling, read_sampling
@@ -145,6 +146,7 @@ def parse_chat(body: dict) -> ChatRequest:
             raise bad_request("tools must be a list", "tools")
         for i, t in enumerate(tools):
             _check_tool(t, i)
+        check_unicode_tree(tools, "tools")
         if not tools:
             tools = None
     tool_choice = body.get("tool_choice")
@@ -162,10 +164,16 @@ def parse_chat(body: dict) -> ChatRequest:
         kwargs = {}
     if not isinstance(kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+    check_unicode_tree(kwargs, "chat_template_kwargs")
     kwargs = dict(kwargs)
     for reserved in ("messages", "tools", "add_generation_prompt", "tokenize", "conversation"):
         if reserved in kwargs:
             raise bad_request(f"chat_template_kwargs.{reserved} is set by the server", "chat_template_kwargs")
+    if "chat_template" in kwargs:
+        # A client's own Jinja template runs on the server (one 132-byte template rendered 11.7 GB):
+        # refused, as vLLM refuses it without --trust-request-chat-template.
+        raise bad_request("chat_template_kwargs.chat_template is refused: this server renders only its own chat "
+                          "template", "chat_template_kwargs")
     effort = _str(body, "reasoning_effort", None)
     if effort is not None:
         if effort not in REASONING_EFFORTS:
@@ -256,6 +264,9 @@ def _normalize_message(m, i: int) -> dict:
     return out
 
 
+_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+
+
 def _check_tool(t, i: int) -> None:
     where = f"tools[{i}]"
     if not isinstance(t, dict) or t.get("type", "function") != "function":
@@ -263,11 +274,31 @@ def _check_tool(t, i: int) -> None:
     fn = t.get("function")
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise bad_request(f"{where}.function.name must be a non-empty string", "tools")
+    if not _TOOL_NAME.match(fn["name"]):
+        raise bad_request(f"{where}.function.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {safe(repr(fn['name']))}",
+                          "tools")
     params = fn.get("parameters")
-    if params is not None and not isinstance(params, dict):
-        raise bad_request(f"{where}.function.parameters must be a JSON schema object", "tools")
-    if fn.get("description") is not None and not isinstance(fn["description"], str):
-        raise bad_request(f"{where}.function.description must be a string", "tools")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise bad_request(f"{where}.function.parameters must be a JSON schema object", "tools")
+        _check_json_schema(params, f"{where}.function.parameters")
+    if fn.get("description") is not None and not is_text(fn["description"]):
+        raise bad_request(f"{where}.function.description must be a valid Unicode string", "tools")
+
+
+def _check_json_schema(schema: dict, where: str) -> None:
+    """A tool's parameters must be a valid JSON Schema (the `jsonschema` package's meta-schema
+    check, draft 2020-12 unless `$schema` names another)."""
+    import jsonschema
+
+    try:
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        path = "".join(f"[{p!r}]" for p in e.path)
+        raise bad_request(f"{where}{path} is not a valid JSON Schema: {safe(e.message)[:200]}", "tools")
+    except (RecursionError, TypeError, ValueError) as e:  # absurdly nested or odd input
+        raise bad_request(f"{where} is not a valid JSON Schema: {type(e).__name__}", "tools")
 
 
 def parse_completion(body: dict) -> CompletionRequest:
@@ -340,7 +371,7 @@ def completion_to_engine_requests(creq: CompletionRequest, tokenizer, ctx: int, 
     reqs, echo_texts = [], []
     for i, p in enumerate(creq.prompts):
         if isinstance(p, str):
-            ids = encode_text(tokenizer, p, "prompt")
+            ids = encode_text(tokenizer, p, "prompt", max_tokens=ctx)
             if not ids:
                 raise bad_request("prompt tokenized to no tokens", "prompt")
             echo_texts.append(p)

@@ -319,7 +319,7 @@ def to_engine_requests(greq: GenerateRequestIn, tokenizer, ctx: int, vocab_size:
         else:
             # No special tokens added, like /v1/completions: both routes then give the same ids for
             # the same text (GLM's tokenizers add none; its chat template writes [gMASK]<sop>).
-            ids = encode_text(tokenizer, item.text, "text", add_special_tokens=False)
+            ids = encode_text(tokenizer, item.text, "text", add_special_tokens=False, max_tokens=ctx)
             if not ids:
                 raise bad_request("text tokenized to no tokens", "text")
         params = item.params.clone(max_new_tokens=_context_max_new(item, len(ids), ctx))
