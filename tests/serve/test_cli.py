@@ -110,3 +110,25 @@ def test_serve_ready_line_and_graceful_shutdown(tok_dir, sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_bad_log_level_is_usage_error(monkeypatch):
+    """--log-level takes debug|info|warning|error|critical in any case; anything else is a usage
+    error naming the flag (exit 2) before a model is loaded."""
+    from typer.testing import CliRunner
+
+    from trnrt.cli import app
+    from trnrt.engine import engine as engine_mod
+
+    built = []
+
+    def fake_from_model_dir(*a, **kw):
+        built.append(kw)
+        raise ValueError("stop here")  # build_engine's ValueError path: exit 2, no server
+
+    monkeypatch.setattr(engine_mod.Engine, "from_model_dir", staticmethod(fake_from_model_dir))
+    r = CliRunner().invoke(app, ["serve", "--log-level", "bogus"], terminal_width=200, env={"COLUMNS": "200"})
+    assert r.exit_code == 2 and not built
+    assert "--log-level" in r.output and "critical" in r.output
+    r = CliRunner().invoke(app, ["serve", "--log-level", "WARNING"])
+    assert r.exit_code == 2 and len(built) == 1 and "stop here" in r.output  # accepted, then build_engine

@@ -134,17 +134,25 @@ def serve(
     preset: Annotated[str, typer.Option("--preset", help="Graph-shaping preset (presets/*.toml).")] = "default",
     default_chat_template_kwargs: Annotated[Optional[str], typer.Option("--default-chat-template-kwargs", help="JSON object merged under each request's chat_template_kwargs.")] = None,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="Seconds to let in-flight requests finish on SIGINT/SIGTERM.", min=0)] = 30.0,
-    log_level: Annotated[str, typer.Option("--log-level", help="debug | info | warning | error.")] = "info",
+    log_level: Annotated[str, typer.Option("--log-level", help="debug | info | warning | error | critical (any case).")] = "info",
     scripted: Annotated[bool, typer.Option("--scripted", hidden=True, help="Serve a scripted engine (tests).")] = False,
     scripted_step_delay: Annotated[float, typer.Option("--scripted-step-delay", hidden=True, help="Seconds per scripted decode step.")] = 0.0,
     compiled: Annotated[Optional[str], typer.Option("--compiled", help="Run the graphs `trnrt compile --out DIR` built for --preset (refused if built from another model, preset or graph).", metavar="DIR")] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="Backend of the --compiled artifacts (cpu | cuda | neuron; default: the one found).")] = None,
     stream_interval: Annotated[int, typer.Option("--stream-interval", help="Streamed responses get a chunk every N tokens (SGLang's flag); non-streamed ones wait for the end.", min=1)] = 1,
 ) -> None:
-    """Serve the OpenAI-compatible API (GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health, GET /v1/stats)."""
+    """Serve the HTTP API; see docs/API.md for every route. The main families:
+
+    OpenAI: /v1/* (/v1/models, /v1/completions, /v1/chat/completions, ...).
+    SGLang native: /generate, /tokenize, /detokenize.
+    Admin: /server_info, /model_info, /v1/loads, /get_load, /flush_cache, /abort_request.
+    Health and stats: /health, /health_generate, /v1/stats, /metrics.
+    """
     import logging
 
-    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+    if log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+        raise typer.BadParameter("must be one of debug, info, warning, error, critical", param_hint="--log-level")
+    logging.basicConfig(level=getattr(logging, log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("trnrt.serve")
     try:
