@@ -15,7 +15,7 @@ import falcon
 from trnrt.engine.client import EngineClient
 from trnrt.serve.handlers import generate, info, openai
 from trnrt.serve.http import errors
-from trnrt.serve.http.auth import AuthMiddleware
+from trnrt.serve.http.auth import AuthMiddleware, InFlightMiddleware
 from trnrt.serve.http.state import ServeSettings, ServeState, get_state  # noqa: F401 (exported)
 
 
@@ -39,7 +39,10 @@ def create_app(engine_client: EngineClient, tokenizer_factory: Callable[[], obje
     """
     settings = settings or ServeSettings()
     state = ServeState(engine_client, tokenizer_factory, settings)
-    middleware = [AuthMiddleware(settings.api_key)] if settings.api_key else []
+    # The in-flight counter first, so a request refused by auth is counted and uncounted too.
+    middleware = [InFlightMiddleware(state)]
+    if settings.api_key:
+        middleware.append(AuthMiddleware(settings.api_key))
     app = ServeApp(middleware=middleware)
     app.serve_state = state
     errors.register(app)

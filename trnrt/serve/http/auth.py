@@ -20,3 +20,19 @@ class AuthMiddleware:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
             raise OpenAIError(401, "Invalid or missing API key (Authorization: Bearer <key>).",
                               type_="authentication_error", code="invalid_api_key")
+
+
+class InFlightMiddleware:
+    """Counts requests inside a handler (ServeState.http_enter/http_leave) for graceful shutdown."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def process_request(self, req, resp) -> None:
+        self.state.http_enter()
+        req.context.trnrt_counted = True
+
+    def process_response(self, req, resp, resource, req_succeeded) -> None:
+        if getattr(req.context, "trnrt_counted", False):
+            req.context.trnrt_counted = False
+            self.state.http_leave()

@@ -107,6 +107,7 @@ class ServeState:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._active = 0
+        self._http = 0  # requests inside a handler (http_enter / http_leave)
         self._idle = threading.Condition(self._lock)
 
     def tokinfo(self) -> TokenizerInfo:
@@ -141,6 +142,29 @@ class ServeState:
     def active_requests(self) -> int:
         with self._lock:
             return self._active
+
+    def http_enter(self) -> None:
+        """A request entered the app (any route); see wait_http_idle."""
+        with self._lock:
+            self._http += 1
+
+    def http_leave(self) -> None:
+        with self._lock:
+            self._http -= 1
+            self._idle.notify_all()
+
+    def wait_http_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is inside a handler (shutdown: a request still tokenizing when
+        the signal came must get its 503 before the process exits). Streams leave their handler
+        when the body starts; they are counted by admission (wait_idle)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._http:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no generation request is in flight (graceful shutdown)."""
