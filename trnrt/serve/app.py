@@ -16,6 +16,7 @@ from trnrt.engine.client import EngineClient
 from trnrt.serve.handlers import generate, info, openai
 from trnrt.serve.http import errors
 from trnrt.serve.http.auth import AuthMiddleware, InFlightMiddleware
+from trnrt.serve.http.origin import OriginMiddleware
 from trnrt.serve.http.state import ServeSettings, ServeState, get_state  # noqa: F401 (exported)
 
 
@@ -40,7 +41,8 @@ def create_app(engine_client: EngineClient, tokenizer_factory: Callable[[], obje
     settings = settings or ServeSettings()
     state = ServeState(engine_client, tokenizer_factory, settings)
     # The in-flight counter first, so a request refused by auth is counted and uncounted too.
-    middleware = [InFlightMiddleware(state)]
+    middleware = [InFlightMiddleware(state),
+                  OriginMiddleware(tuple(settings.allowed_origins), settings.allowed_hosts, settings.bind_host)]
     if settings.api_key:
         middleware.append(AuthMiddleware(settings.api_key))
     app = ServeApp(middleware=middleware)

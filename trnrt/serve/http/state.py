@@ -34,6 +34,7 @@ class ServeSettings:
     poll_interval_s: how often a waiting worker checks for a disconnected client.
     default_chat_template_kwargs: merged under each request's chat_template_kwargs.
     incremental_streaming_output: SGLang's flag: /generate streams carry deltas, not cumulative text.
+    allowed_origins / allowed_hosts / bind_host: the Origin and Host checks (trnrt.serve.http.origin).
     """
 
     served_model_name: str | None = None
@@ -46,6 +47,9 @@ class ServeSettings:
     poll_interval_s: float = 0.05
     default_chat_template_kwargs: dict = field(default_factory=dict)
     incremental_streaming_output: bool = False
+    allowed_origins: tuple = ()
+    allowed_hosts: tuple | None = None
+    bind_host: str | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
