@@ -117,13 +117,58 @@ def _parser_choice(value: str | None, choices: tuple[str, ...], flag: str) -> st
     return value
 
 
+def _csv(value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def _resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
+    """--api-key (or TRNRT_API_KEY) or --api-key-file; both is a usage error."""
+    if api_key_file is None:
+        return api_key or None
+    if api_key:
+        raise typer.BadParameter("give --api-key (or TRNRT_API_KEY) or --api-key-file, not both",
+                                 param_hint="--api-key-file")
+    try:
+        with open(api_key_file, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except OSError as e:
+        raise typer.BadParameter(f"cannot read it: {e.strerror}", param_hint="--api-key-file")
+    if not key:
+        raise typer.BadParameter("the file holds no key", param_hint="--api-key-file")
+    return key
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """A usage error naming --port when host:port cannot be bound (checked before loading the model)."""
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise typer.BadParameter(f"cannot resolve {host!r}: {e}", param_hint="--host")
+    family, _, _, _, addr = infos[0]
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as waitress binds
+        s.bind(addr)
+    except OSError as e:
+        why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror}"
+        raise typer.BadParameter(f"{host}:{port} {why}", param_hint="--port")
+    finally:
+        s.close()
+
+
 @app.command("serve")
 def serve(
     model: Annotated[Optional[str], typer.Option("--model", "--model-path", help="Model directory (HF layout). Default: the embedded tiny checkpoint.")] = None,
     tokenizer_path: Annotated[Optional[str], typer.Option("--tokenizer-path", help="Tokenizer directory (default: the model's).")] = None,
     host: Annotated[str, typer.Option("--host", help="Interface to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port (0: any free port).", min=0, max=65535)] = 30000,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require `Authorization: Bearer KEY` (all routes but /health).")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TRNRT_API_KEY", show_envvar=True, help="Require `Authorization: Bearer KEY` (all routes but /health). Prefer --api-key-file or TRNRT_API_KEY: a command-line key is visible to every local user in the process list.")] = None,
+    api_key_file: Annotated[Optional[str], typer.Option("--api-key-file", help="Read the API key from this file (first line).", metavar="FILE")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id in the API.")] = None,
     max_running_requests: Annotated[int, typer.Option("--max-running-requests", help="Requests decoding at once.", min=1)] = 64,
     max_queued_requests: Annotated[Optional[int], typer.Option("--max-queued-requests", help="Requests waiting in the engine (default: --max-running-requests); beyond running + queued, 503.", min=0)] = None,
@@ -140,6 +185,9 @@ def serve(
     compiled: Annotated[Optional[str], typer.Option("--compiled", help="Run the graphs `trnrt compile --out DIR` built for --preset (refused if built from another model, preset or graph).", metavar="DIR")] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="Backend of the --compiled artifacts (cpu | cuda | neuron; default: the one found).")] = None,
     stream_interval: Annotated[int, typer.Option("--stream-interval", help="Streamed responses get a chunk every N tokens (SGLang's flag); non-streamed ones wait for the end.", min=1)] = 1,
+    incremental_streaming_output: Annotated[bool, typer.Option("--incremental-streaming-output", help="/generate streams carry deltas instead of cumulative text (SGLang's flag).")] = False,
+    allowed_origins: Annotated[Optional[str], typer.Option("--allowed-origins", help="Comma-separated browser origins allowed to call the server (default: none but its own; * for any).")] = None,
+    allowed_hosts: Annotated[Optional[str], typer.Option("--allowed-hosts", help="Comma-separated Host names the server answers to (default: loopback and --host; any when bound to 0.0.0.0).")] = None,
 ) -> None:
     """Serve the HTTP API; see docs/API.md for every route. The main families:
 
@@ -161,6 +209,8 @@ def serve(
         raise typer.BadParameter(f"not JSON: {e}", param_hint="--default-chat-template-kwargs")
     if not isinstance(kwargs, dict):
         raise typer.BadParameter("must be a JSON object", param_hint="--default-chat-template-kwargs")
+    api_key = _resolve_api_key(api_key, api_key_file)
+    _check_port_free(host, port)  # before the model loads (seconds), not after
     args = ServeArgs(
         model=model, tokenizer_path=tokenizer_path, host=host, port=port, api_key=api_key,
         served_model_name=served_model_name, max_running_requests=max_running_requests,
@@ -184,6 +234,8 @@ def serve(
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         max_concurrent_requests=args.max_concurrent_requests,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
+        incremental_streaming_output=incremental_streaming_output,
+        allowed_origins=_csv(allowed_origins), allowed_hosts=_csv(allowed_hosts) or None, bind_host=args.host,
     )
     wsgi = create_app(engine, tokenizer_factory, settings)
     name = settings.served_model_name or engine.model_info.served_model_name
