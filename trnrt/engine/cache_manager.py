@@ -188,6 +188,20 @@ class CacheManager:
             self._free_slots.append(seq.slot_id)
             seq.slot_id = None
 
+    def reset(self) -> None:
+        """Put every page and slot back in its initial free order (an idle engine's cache flush,
+        so that allocation after a flush is as after start-up).
+
+        Raises:
+            CacheIntegrityError: a page or slot is still in use (only an idle cache resets).
+        """
+        if self.num_used_blocks or self.num_used_slots or self._slot_owner:
+            raise CacheIntegrityError(
+                f"cannot reset: {self.num_used_blocks} pages and {self.num_used_slots} slots in use")
+        self._free_blocks = deque(range(1, self.num_blocks))
+        self._ref_counts = [0] * self.num_blocks
+        self._free_slots = deque(range(1, self.num_slots))
+
     # -- checks ------------------------------------------------------------------------------
 
     def check_integrity(self, live_seqs: Iterable[Sequence] | None = None) -> None:

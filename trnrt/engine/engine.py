@@ -1,15 +1,21 @@
-"""Engine: one thread owns the scheduler, the model runner, detokenizers and stats.
+"""Engine: one thread owns the scheduler, the runner, detokenizers and stats.
 
 Request flow (DESIGN.md): a client thread calls `submit()` (validation happens there and raises
-InvalidRequestError naming the field) -> the engine thread takes submissions and aborts from its
-inbox -> `scheduler.schedule()` -> `runner.execute()` (model + sampler per bucket) ->
+InvalidRequestError naming the field) -> a typed message on the engine thread's inbox
+(trnrt.engine.messages: submit, abort, abort by prefix / all, flush cache, load query) -> the
+engine thread handles the inbox in order between steps -> `scheduler.schedule()` ->
+`runner.execute()` (model + sampler per bucket; or the scripted runner) ->
 `scheduler.update_from_output()` -> incremental detokenization and stop strings -> a
 RequestOutput on each request's OutputStream -> stats. Only the engine thread touches scheduler,
-cache and runner state, so none of them needs a lock.
+cache and runner state, so none of them needs a lock; what other threads read (the live request
+ids, the published EngineLoad, the stats collector) is guarded or swapped atomically.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -17,22 +23,42 @@ import queue
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from trnrt.config import EngineConfig
-from trnrt.engine.cache_manager import CacheManager
-from trnrt.engine.client import ModelInfo
+from trnrt.engine.cache_manager import CacheIntegrityError, CacheManager
+from trnrt.engine.client import (
+    ABORT_WAITING_MESSAGE,
+    FLUSH_BUSY_MESSAGE,
+    FLUSH_IN_PROGRESS_MESSAGE,
+    FLUSH_OK_MESSAGE,
+    FLUSH_TIMEOUT_MESSAGE,
+    EngineLoad,
+    FlushResult,
+    ModelInfo,
+)
 from trnrt.engine.detokenizer import IncrementalDetokenizer
-from trnrt.engine.model_runner import ModelRunner, RowInput
-from trnrt.engine.outputs import RequestOutput, RunnerOutput, SchedulerOutput
+from trnrt.engine.messages import AbortMatchingMsg, AbortMsg, FlushCacheMsg, LoadQueryMsg, Reply, SubmitMsg
+from trnrt.engine.outputs import RequestOutput, RowInput, RunnerOutput, SchedulerOutput
 from trnrt.engine.request import FinishReason, GenerateRequest, InvalidRequestError
 from trnrt.engine.scheduler import Scheduler, SchedulerConfig
+from trnrt.engine.sequence import SequenceStatus
 from trnrt.engine.stop import StopChecker, is_token_stop
 from trnrt.engine.stream import OutputStream
+
+if TYPE_CHECKING:  # the model runner imports torch; the engine itself need not (scripted runs)
+    from trnrt.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1
 DEFAULT_SERVED_MODEL_NAME = "glm-5.3-flash-tiny"
+SHUTDOWN_MESSAGE = "server shutting down"
+SHUTDOWN_STATUS_CODE = 503  # SGLang: a system abort carries an HTTP status (service unavailable)
+# How long a synchronous call waits for the engine thread beyond its own timeout: the thread
+# handles the inbox between steps, so one step (a long prefill on a big model) can delay it.
+_REPLY_GRACE_S = 5.0
+_GEN_THROUGHPUT_WINDOW_S = 60.0  # load().gen_throughput: output tok/s over the last minute (stats' "1m" rate)
 
 
 class EngineDeadError(RuntimeError):
@@ -66,15 +92,117 @@ def fast_decoder(tokenizer):
     return tokenizer
 
 
+def resolve_configs(
+    engine_config: EngineConfig | None = None,
+    *,
+    preset: str | None = None,
+    scheduler_config: SchedulerConfig | None = None,
+    max_running_requests: int | None = None,
+    context_length: int | None = None,
+    compiled: bool = False,
+) -> tuple[EngineConfig, SchedulerConfig]:
+    """The EngineConfig and SchedulerConfig an engine runs with (shared by `from_model_dir` and
+    `scripted`, so a scripted engine schedules exactly like a real one).
+
+    `preset` (a presets/*.toml name or path) gives the EngineConfig when `engine_config` is not
+    passed. `max_running_requests` (SGLang's flag) sizes the slot pool and max_num_seqs;
+    `context_length` caps max_model_len. With `compiled` graphs the cache sizes and max_model_len
+    are graph inputs, so they stay the preset's: max_running_requests only caps max_num_seqs at
+    the preset's slots, and context_length only caps the scheduler's max_model_len.
+    """
+    if engine_config is None:
+        from trnrt.config.presets import load_preset
+
+        engine_config = load_preset(preset or "default")
+    ecfg = engine_config
+    if context_length is not None and not compiled:
+        ecfg = ecfg.replace(max_model_len=context_length)
+    if max_running_requests is not None and compiled:
+        if max_running_requests > ecfg.num_slots - 1:
+            log.warning("compiled graphs hold %d slots: running at most %d requests, not %d",
+                        ecfg.num_slots - 1, ecfg.num_slots - 1, max_running_requests)
+            max_running_requests = ecfg.num_slots - 1
+    elif max_running_requests is not None:
+        blocks_per_seq = ecfg.max_blocks_per_seq
+        ecfg = ecfg.replace(
+            num_slots=max_running_requests + 1,
+            # enough pages for every running request at a quarter of the context, and at
+            # least one full-length request (preemption always makes progress)
+            num_blocks=max(ecfg.num_blocks, blocks_per_seq * max(1, max_running_requests // 4) + 1,
+                           blocks_per_seq + 1),
+        )
+    max_model_len = min(ecfg.max_model_len, ecfg.max_blocks_per_seq * ecfg.block_size)
+    if context_length is not None:
+        max_model_len = min(max_model_len, context_length)
+    scfg = scheduler_config or SchedulerConfig(
+        max_num_seqs=max_running_requests or min(ecfg.max_decode_batch, ecfg.num_slots - 1),
+        max_num_batched_tokens=max(ecfg.max_prefill_tokens, ecfg.max_decode_batch),
+        max_model_len=max_model_len,
+        max_prefill_chunk_tokens=ecfg.max_prefill_tokens,
+    )
+    if scfg.max_num_seqs > ecfg.num_slots - 1:
+        raise ValueError(f"max_num_seqs {scfg.max_num_seqs} exceeds the {ecfg.num_slots - 1} usable slots")
+    return ecfg, scfg
+
+
+class _TokenRate:
+    """Output tokens per second over the last `window_s` seconds, in 1 s buckets. The engine
+    thread adds, any thread reads. (Reading the stats collector's windows instead would build its
+    whole snapshot, ~2 ms with full latency windows, on every load() poll.)"""
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic):
+        self.window_s = window_s
+        self._clock = clock
+        self._start = clock()
+        self._lock = threading.Lock()
+        self._buckets: collections.deque[list[int]] = collections.deque()  # [second, tokens]
+
+    def add(self, n: int, now: float) -> None:
+        sec = int(now)
+        with self._lock:
+            b = self._buckets
+            if b and b[-1][0] == sec:
+                b[-1][1] += n
+            else:
+                b.append([sec, n])
+            while b[0][0] <= sec - self.window_s:
+                b.popleft()
+
+    def rate(self) -> float:
+        now = self._clock()
+        with self._lock:
+            total = sum(n for sec, n in self._buckets if sec > now - self.window_s)
+        span = min(self.window_s, now - self._start)
+        return total / span if span > 0 else 0.0
+
+
+def _jsonable(value):
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return value
+
+
 class Engine:
     """A running engine (implements trnrt.engine.client.EngineClient).
 
-    Build it with `Engine.from_model_dir(...)`; `submit()`, `abort()`, `stats()` and `shutdown()`
-    are thread-safe.
+    Build it with `Engine.from_model_dir(...)` (the model) or `Engine.scripted(...)` (a scripted
+    runner, for API tests). Every client method (`submit`, `submit_many`, `abort`,
+    `abort_requests`, `flush_cache`, `load`, `server_info`, `is_idle`, `stats`, `shutdown`) is
+    thread-safe.
+
+    Args:
+        runner: has `execute(rows: list[RowInput]) -> list[RowResult]` (ModelRunner's contract),
+            and optionally `thread_context()` (entered around the engine loop), `release(ids)`
+            (called when requests finish) and `flush_cache()` (called by an idle flush).
+        submit_log_size: keep the last N submitted GenerateRequests in `self.submitted` (tests
+            read what the server submitted); 0 keeps none (`submitted` is None).
     """
 
-    def __init__(self, runner: ModelRunner, tokenizer, model_info: ModelInfo, engine_config: EngineConfig,
-                 scheduler_config: SchedulerConfig, *, start: bool = True, stream_interval: int = 1):
+    def __init__(self, runner: "ModelRunner", tokenizer, model_info: ModelInfo, engine_config: EngineConfig,
+                 scheduler_config: SchedulerConfig, *, start: bool = True, stream_interval: int = 1,
+                 submit_log_size: int = 0):
         from trnrt.stats import StatsCollector  # pure Python
 
         if not isinstance(stream_interval, int) or isinstance(stream_interval, bool) or stream_interval < 1:
@@ -94,14 +222,26 @@ class Engine:
             model_info.model_path, preset=model_info.preset, backend=model_info.backend,
             compiled=model_info.compiled, served_model_name=model_info.served_model_name,
         )
+        self.submitted: collections.deque[GenerateRequest] | None = (
+            collections.deque(maxlen=submit_log_size) if submit_log_size else None)
+        self.startup_time_s: float | None = None  # set by the constructors that can measure it
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, OutputStream] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
-        self._sent_tokens: dict[str, int] = {}
+        # Request ids submitted and not finished (queued, running, or still in the inbox): a
+        # duplicate is refused at submit, and "idle" means this set is empty. Removed just before
+        # the finished output is put on the stream, so a client that saw its request end may
+        # reuse the id at once.
+        self._live_lock = threading.Lock()
+        self._live_ids: set[str] = set()
+        self._pending_flush: FlushCacheMsg | None = None  # engine thread only
+        self._gen_rate = _TokenRate(_GEN_THROUGHPUT_WINDOW_S)
+        self._load = EngineLoad()
         self._accepting = True
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.num_steps = 0
+        self._publish_load()
         self.thread = threading.Thread(target=self._run, name="trnrt-engine", daemon=True)
         if start:
             self.thread.start()
@@ -127,15 +267,11 @@ class Engine:
     ) -> "Engine":
         """Load the checkpoint (None: the embedded tiny model) and start the engine thread.
 
-        `preset` (a presets/*.toml name or path) gives the EngineConfig when `engine_config` is not
-        passed. `max_running_requests` (SGLang's flag) sizes the slot pool and max_num_seqs;
-        `context_length` caps max_model_len.
+        `preset`, `max_running_requests` and `context_length`: see `resolve_configs`.
 
         compiled_loader(model, state, engine_config) -> {GraphSpec: callable} runs compiled graphs
         (the CLI passes trnrt.compile.load_compiled; the engine layer never imports compile). The
-        cache sizes and max_model_len are graph inputs then, so they stay the preset's:
-        max_running_requests only caps max_num_seqs at the preset's slots, and context_length only
-        caps the scheduler's max_model_len.
+        cache sizes and max_model_len are graph inputs then, so they stay the preset's.
 
         stream_interval (SGLang's --stream-interval): a streamed request (GenerateRequest.stream)
         gets an output every `stream_interval` tokens (merged), and its final one; a non-streamed
@@ -144,46 +280,19 @@ class Engine:
         import torch
         from transformers import AutoTokenizer
 
+        from trnrt.engine.model_runner import ModelRunner
         from trnrt.models.glm5_next.state import ModelState
         from trnrt.models.glm5_next.weights import load_model
         from trnrt.models.paths import resolve_model_dir
 
+        t0 = time.monotonic()
         path = resolve_model_dir(model_dir)
-        if engine_config is None:
-            from trnrt.config.presets import load_preset
-
-            engine_config = load_preset(preset or "default")
-        ecfg = engine_config
-        if context_length is not None and compiled_loader is None:
-            ecfg = ecfg.replace(max_model_len=context_length)
-        if max_running_requests is not None and compiled_loader is not None:
-            if max_running_requests > ecfg.num_slots - 1:
-                log.warning("compiled graphs hold %d slots: running at most %d requests, not %d",
-                            ecfg.num_slots - 1, ecfg.num_slots - 1, max_running_requests)
-                max_running_requests = ecfg.num_slots - 1
-        elif max_running_requests is not None:
-            blocks_per_seq = ecfg.max_blocks_per_seq
-            ecfg = ecfg.replace(
-                num_slots=max_running_requests + 1,
-                # enough pages for every running request at a quarter of the context, and at
-                # least one full-length request (preemption always makes progress)
-                num_blocks=max(ecfg.num_blocks, blocks_per_seq * max(1, max_running_requests // 4) + 1,
-                               blocks_per_seq + 1),
-            )
+        ecfg, scfg = resolve_configs(engine_config, preset=preset, scheduler_config=scheduler_config,
+                                     max_running_requests=max_running_requests, context_length=context_length,
+                                     compiled=compiled_loader is not None)
         dtype = getattr(torch, ecfg.dtype)
         model = load_model(path, dtype=dtype, device=device)
         mcfg = model.config
-        max_model_len = min(ecfg.max_model_len, ecfg.max_blocks_per_seq * ecfg.block_size)
-        if context_length is not None:
-            max_model_len = min(max_model_len, context_length)
-        scfg = scheduler_config or SchedulerConfig(
-            max_num_seqs=max_running_requests or min(ecfg.max_decode_batch, ecfg.num_slots - 1),
-            max_num_batched_tokens=max(ecfg.max_prefill_tokens, ecfg.max_decode_batch),
-            max_model_len=max_model_len,
-            max_prefill_chunk_tokens=ecfg.max_prefill_tokens,
-        )
-        if scfg.max_num_seqs > ecfg.num_slots - 1:
-            raise ValueError(f"max_num_seqs {scfg.max_num_seqs} exceeds the {ecfg.num_slots - 1} usable slots")
         state = ModelState.allocate(mcfg, ecfg.num_blocks, ecfg.block_size, ecfg.num_slots, dtype, device)
         compiled = compiled_loader(model, state, ecfg) if compiled_loader is not None else None
         runner = ModelRunner(model, state, ecfg, mcfg.vocab_size, compiled=compiled)
@@ -205,24 +314,94 @@ class Engine:
             backend=compiled_backend if compiled else "eager",
             compiled=bool(compiled),
         )
-        return cls(runner, tokenizer, info, ecfg, scfg, start=start, stream_interval=stream_interval)
+        engine = cls(runner, tokenizer, info, ecfg, scfg, start=start, stream_interval=stream_interval)
+        engine.startup_time_s = time.monotonic() - t0
+        return engine
+
+    @classmethod
+    def scripted(
+        cls,
+        tokenizer,
+        script: Callable[[list[int]], list[int]],
+        *,
+        served_model_name: str = "trnrt-tiny",
+        model_path: str = "scripted",
+        max_model_len: int = 1024,
+        max_running_requests: int = 64,
+        num_blocks: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        step_delay_s: float = 0.0,
+        stream_interval: int = 1,
+        eos_token_ids: tuple[int, ...] | None = None,
+        submit_log_size: int = 256,
+        start: bool = True,
+    ) -> "Engine":
+        """An Engine whose runner replays `script(prompt_ids)` (trnrt.engine.scripted_runner)
+        instead of running a model: everything else (scheduler, stop checks, detokenizer, streams,
+        pages and slots, stats) is the real engine's. No torch, no weights.
+
+        The configs are what `from_model_dir(context_length=max_model_len,
+        max_running_requests=max_running_requests)` would build from the default preset;
+        `num_blocks` then overrides the page count (a tiny pool forces preemption) and
+        `max_num_batched_tokens` the step's token budget. `eos_token_ids` (default: the
+        tokenizer's eos token) are the model's EOS ids; the first one ends an exhausted script.
+        The runner is `engine.runner` (its `paused` switch and `step_delay_s`); the last
+        `submit_log_size` submitted requests are in `engine.submitted`.
+        """
+        from trnrt.engine.scripted_runner import ScriptedRunner
+
+        t0 = time.monotonic()
+        ecfg, scfg = resolve_configs(None, preset="default", max_running_requests=max_running_requests,
+                                     context_length=max_model_len)
+        if num_blocks is not None:
+            ecfg = ecfg.replace(num_blocks=num_blocks)
+        if max_num_batched_tokens is not None:
+            scfg = dataclasses.replace(scfg, max_num_batched_tokens=max_num_batched_tokens)
+        if eos_token_ids is None:
+            eos = getattr(tokenizer, "eos_token_id", None)
+            eos_token_ids = () if eos is None else (int(eos),)
+        eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        if not eos_token_ids:
+            raise ValueError("a scripted engine needs an EOS id (it ends an exhausted script with it)")
+        # a transformers tokenizer has len(); a bare `tokenizers.Tokenizer` (pure tests) has get_vocab_size()
+        vocab_size = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.get_vocab_size()
+        runner = ScriptedRunner(script, eos_token_id=eos_token_ids[0], vocab_size=vocab_size,
+                                step_delay_s=step_delay_s)
+        info = ModelInfo(model_path=str(model_path), served_model_name=served_model_name, vocab_size=vocab_size,
+                         max_model_len=scfg.max_model_len, eos_token_ids=eos_token_ids, preset=ecfg.preset,
+                         backend="scripted", compiled=False)
+        engine = cls(runner, tokenizer, info, ecfg, scfg, start=start, stream_interval=stream_interval,
+                     submit_log_size=submit_log_size)
+        engine.startup_time_s = time.monotonic() - t0
+        return engine
 
     # -- client API (any thread) -----------------------------------------------------------------
 
     def submit(self, request: GenerateRequest) -> OutputStream:
-        """Queue a request. Raises InvalidRequestError naming the field if it can never run."""
+        """Queue a request. Raises InvalidRequestError naming the field if it can never run or if
+        its request_id is in flight; EngineDeadError if the engine is shutting down."""
         return self.submit_many([request])[0]
 
     def submit_many(self, requests: list[GenerateRequest]) -> list[OutputStream]:
-        """Validate every request first, then queue them together (one inbox item, so the engine
-        thread admits them in the same step). Nothing is queued if any request is invalid."""
+        """Validate every request first, then queue them together (one inbox message, so the engine
+        thread admits them in the same step). Nothing is queued if any request is invalid or any
+        request_id is in flight or repeated in the batch."""
         for request in requests:
             self._prepare(request)
+        ids = [r.request_id for r in requests]
+        with self._live_lock:
+            seen: set[str] = set()
+            for rid in ids:
+                if rid in self._live_ids or rid in seen:
+                    raise InvalidRequestError(f"Duplicate request ID detected: {rid}", field="rid")
+                seen.add(rid)
+            self._live_ids.update(ids)
         # A non-streamed request's client waits for the final output only: not waking it every
         # step keeps its thread off the GIL while the engine runs (trnrt.engine.stream).
         streams = [OutputStream(r.request_id, self.stream_interval if r.stream else 0) for r in requests]
-        self._inbox.put(("add_many", list(zip(requests, streams)), None))
-        self._wake.set()
+        if self.submitted is not None:
+            self.submitted.extend(requests)
+        self._post(SubmitMsg(list(requests), streams))
         return streams
 
     def _prepare(self, request: GenerateRequest) -> None:
@@ -244,81 +423,247 @@ class Engine:
             request.arrival_time_s = time.monotonic()
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id, None))
-        self._wake.set()
+        """Abort one request by id (queued or running; a no-op otherwise). Asynchronous."""
+        self._post(AbortMsg(request_id))
+
+    def abort_requests(self, prefix: str = "", *, abort_all: bool = False, message: str = "Aborted",
+                       timeout_s: float = 5.0) -> list[str]:
+        """Abort every queued or running request whose id starts with `prefix`, or all with
+        `abort_all` (SGLang's /abort_request); returns the aborted ids. See EngineClient."""
+        if not abort_all and not prefix:
+            return []  # SGLang: an empty rid without abort_all aborts nothing
+        msg = AbortMatchingMsg(prefix=prefix, abort_all=abort_all, message=message,
+                               waiting_message=ABORT_WAITING_MESSAGE, reply=Reply())
+        return self._ask(msg, msg.reply, timeout_s, default=[])
+
+    def flush_cache(self, timeout_s: float = 0.0) -> FlushResult:
+        """Empty the caches if the engine is idle (SGLang's /flush_cache); see EngineClient.
+
+        The caches today: the cache manager's free lists (reset to their initial order) and any
+        per-request runner state; the prefix cache will join them.
+        """
+        timeout_s = max(0.0, float(timeout_s))
+        if timeout_s == 0.0 and not self.is_idle():
+            return FlushResult(False, FLUSH_BUSY_MESSAGE)  # refused without waiting for a step
+        if not self.thread.is_alive():
+            return FlushResult(False, FLUSH_BUSY_MESSAGE)
+        msg = FlushCacheMsg(deadline=time.monotonic() + timeout_s if timeout_s else None)
+        if threading.current_thread() is self.thread:
+            self._on_flush(msg)
+            self._check_pending_flush()
+            return msg.reply.value or FlushResult(False, FLUSH_BUSY_MESSAGE)
+        self._post(msg)
+        # The engine thread answers a deferred flush at its deadline, between steps; if a step is
+        # still running then, answer for it (the first answer wins, and the engine thread does not
+        # flush once the reply is answered). An immediate flush waits for the engine thread to
+        # take the message (it was idle a moment ago, but a step may have started since).
+        if not msg.reply.wait(timeout_s + 0.25 if timeout_s else _REPLY_GRACE_S):
+            msg.reply.set(FlushResult(False, FLUSH_TIMEOUT_MESSAGE if timeout_s else FLUSH_BUSY_MESSAGE))
+        return msg.reply.value
+
+    def load(self, *, fresh: bool = False, timeout_s: float = 1.0) -> EngineLoad:
+        """The engine's load, as published after the last step (never waits for the engine thread).
+
+        fresh=True asks the engine thread instead (after every earlier message: e.g. counts a
+        request submitted just before), waiting up to `timeout_s`, else the published load.
+        """
+        base = self._load
+        if fresh:
+            msg = LoadQueryMsg()
+            base = self._ask(msg, msg.reply, timeout_s, default=None) or self._load
+        with self._live_lock:
+            pending = len(self._live_ids)
+        return base.replace(num_pending_reqs=pending, gen_throughput=self._gen_rate.rate())
+
+    def server_info(self) -> dict:
+        """The resolved settings (pure data from the immutable config; callable from any thread):
+        SGLang's /server_info names at the top level, the full configs under `engine_config` and
+        `scheduler_config`."""
+        ecfg, scfg, info, cache = self.engine_config, self.scheduler_config, self.model_info, self.cache
+        ecfg_d = {f.name: _jsonable(getattr(ecfg, f.name)) for f in dataclasses.fields(ecfg)}
+        ecfg_d["compiler_args"] = {b: json.loads(a) for b, a in ecfg.compiler_args}
+        return {
+            "model_path": info.model_path,
+            "served_model_name": info.served_model_name,
+            "preset": info.preset,
+            "backend": info.backend,
+            "compiled": info.compiled,
+            "vocab_size": info.vocab_size,
+            "eos_token_ids": list(info.eos_token_ids),
+            "context_length": scfg.max_model_len,
+            "max_req_input_len": scfg.max_model_len - 1,
+            "max_total_num_tokens": cache.num_usable_blocks * cache.block_size,
+            "page_size": cache.block_size,
+            "max_running_requests": scfg.max_num_seqs,
+            "max_prefill_tokens": scfg.max_num_batched_tokens,
+            "chunked_prefill_size": scfg.max_prefill_tokens if scfg.chunked_prefill else -1,
+            "stream_interval": self.stream_interval,
+            "startup_time": self.startup_time_s,
+            "engine_config": ecfg_d,
+            "scheduler_config": {f.name: _jsonable(getattr(scfg, f.name)) for f in dataclasses.fields(scfg)},
+        }
+
+    def is_idle(self) -> bool:
+        """Nothing queued, running, or submitted and not yet taken from the inbox."""
+        with self._live_lock:
+            return not self._live_ids
 
     def stats(self) -> dict:
+        """The /v1/stats document (trnrt.stats schema)."""
         return self.stats_collector.snapshot()
 
     def shutdown(self, drain_timeout_s: float = 0.0) -> None:
-        """Stop accepting, let in-flight requests run up to drain_timeout_s, abort the rest, join."""
+        """Stop accepting, let in-flight requests run up to drain_timeout_s, abort the rest
+        ("server shutting down", status 503), join the engine thread."""
         self._accepting = False
         deadline = time.monotonic() + max(0.0, drain_timeout_s)
-        while time.monotonic() < deadline and (self._streams or not self._inbox.empty()) and self.thread.is_alive():
+        while time.monotonic() < deadline and not self.is_idle() and self.thread.is_alive():
             time.sleep(0.01)
-        self._inbox.put(("abort_all", "server shutting down", None))
-        self._wake.set()
-        t_end = time.monotonic() + 10
-        while self._streams and self.thread.is_alive() and time.monotonic() < t_end:
-            time.sleep(0.005)
+        if self.thread.is_alive():
+            msg = AbortMatchingMsg(abort_all=True, message=SHUTDOWN_MESSAGE, status_code=SHUTDOWN_STATUS_CODE,
+                                   reply=Reply())
+            self._ask(msg, msg.reply, 10.0, default=[])
         self._stop.set()
         self._wake.set()
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
             self.thread.join(timeout=10)
 
+    # -- inbox plumbing (client side) -------------------------------------------------------------
+
+    def _post(self, msg) -> None:
+        self._inbox.put(msg)
+        self._wake.set()
+
+    def _ask(self, msg, reply: Reply, timeout_s: float, default):
+        """Post `msg` and wait up to timeout_s for the engine thread's answer. If it did not take
+        the message in time, withdraw it (so it has no effect) and return `default`."""
+        if threading.current_thread() is self.thread:
+            self._handle(msg)  # called from the engine thread itself (a hook): answer inline
+            return reply.value if reply.value is not None else default
+        if not self.thread.is_alive():
+            return default
+        self._post(msg)
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while not reply.wait(0.05):
+            if time.monotonic() >= deadline or not self.thread.is_alive():
+                if reply.cancel():
+                    log.warning("engine thread did not take %s within %.1f s", type(msg).__name__, timeout_s)
+                    return default
+                # Claimed: the engine thread is acting on it right now; the answer is moments away.
+                reply.wait(_REPLY_GRACE_S)
+                break
+        return reply.value if reply.value is not None else default
+
     # -- engine thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
-        import torch
-
-        # The whole thread in inference mode (the runner then skips entering it every step).
-        with torch.inference_mode():
-            self._loop()
+        # ModelRunner: the whole thread in inference mode (the runner then skips entering it
+        # every step). The scripted runner needs nothing (and no torch).
+        enter = getattr(self.runner, "thread_context", None)
+        with enter() if enter is not None else contextlib.nullcontext():
+            try:
+                self._loop()
+            finally:
+                self._close()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 self._drain_inbox()
+                self._check_pending_flush()
                 if not self.scheduler.has_unfinished_requests():
                     self._update_live()
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
                     continue
                 self.step()
+                self._check_pending_flush()
             except Exception:  # never let the engine thread die; fail what was in flight
                 log.exception("engine step failed; aborting in-flight requests")
                 for rid in list(self._streams):
                     self._abort(rid, "internal engine error", finish_type="error")
 
+    def _close(self) -> None:
+        """The loop ended (shutdown): end every stream still open and answer every question still
+        in the inbox, so no client thread waits forever on a stopped engine."""
+        try:
+            self._accepting = False
+            for rid in list(self._streams):
+                self._abort(rid, SHUTDOWN_MESSAGE, status_code=SHUTDOWN_STATUS_CODE)
+            while True:
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(msg, SubmitMsg):
+                    reason = FinishReason("abort", message=SHUTDOWN_MESSAGE, status_code=SHUTDOWN_STATUS_CODE)
+                    for request, stream in zip(msg.requests, msg.streams):
+                        self._finish_stream(request.request_id, stream, RequestOutput(
+                            request.request_id, finished=True, finish_reason=reason,
+                            num_prompt_tokens=len(request.prompt_token_ids)))
+                elif isinstance(msg, AbortMatchingMsg) and msg.reply is not None:
+                    msg.reply.set([])
+                elif isinstance(msg, FlushCacheMsg):
+                    msg.reply.set(FlushResult(False, FLUSH_BUSY_MESSAGE))
+                elif isinstance(msg, LoadQueryMsg):
+                    msg.reply.set(self._compute_load())
+            if self._pending_flush is not None:
+                self._pending_flush.reply.set(FlushResult(False, FLUSH_TIMEOUT_MESSAGE))
+                self._pending_flush = None
+            self._update_live()
+        except Exception:  # best effort at exit
+            log.exception("engine shutdown cleanup failed")
+
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, payload, stream = self._inbox.get_nowait()
+                msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add_many":
-                for request, req_stream in payload:
-                    self._add(request, req_stream)
-            elif kind == "abort":
-                self._abort(payload, "aborted by client")
-            elif kind == "abort_all":
-                for rid in list(self._streams):
-                    self._abort(rid, payload)
+            self._handle(msg)
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, SubmitMsg):
+            for request, stream in zip(msg.requests, msg.streams):
+                try:
+                    self._add(request, stream)
+                except Exception as e:  # one bad request must not strand the rest of its batch
+                    log.exception("could not add request %s", request.request_id)
+                    message = f"internal engine error: {type(e).__name__}: {e}"
+                    if request.request_id in self._streams:
+                        self._abort(request.request_id, message, finish_type="error")
+                    else:  # failed before it was tracked
+                        self.scheduler.abort(request.request_id, message)
+                        self._finish_stream(request.request_id, stream, RequestOutput(
+                            request.request_id, finished=True, error=message,
+                            finish_reason=FinishReason("abort", message=message)))
+        elif isinstance(msg, AbortMsg):
+            self._abort(msg.request_id, msg.message)
+        elif isinstance(msg, AbortMatchingMsg):
+            self._on_abort_matching(msg)
+        elif isinstance(msg, FlushCacheMsg):
+            self._on_flush(msg)
+        elif isinstance(msg, LoadQueryMsg):
+            if msg.reply.claim():
+                msg.reply.set(self._compute_load())
+        else:
+            log.error("engine inbox: unknown message %r", msg)
 
     def _add(self, request: GenerateRequest, stream: OutputStream) -> None:
         rid = request.request_id
         try:
             seq = self.scheduler.add_request(request)
         except InvalidRequestError as e:
-            stream.put(RequestOutput(rid, finished=True, finish_reason=FinishReason("abort", message=str(e)), error=str(e)))
+            self._finish_stream(rid, stream, RequestOutput(
+                rid, finished=True, finish_reason=FinishReason("abort", message=str(e)), error=str(e)))
             return
         # Stamp the arrival at submit() (arrival_time_s, time.monotonic like the collector's clock),
         # not now: a request submitted mid-step waited in the inbox, and TTFT/queue/E2E include that.
         self.stats_collector.on_request_arrived(rid, len(request.prompt_token_ids), now=request.arrival_time_s)
         if seq.is_finished:  # max_new_tokens == 0
-            stream.put(RequestOutput(rid, finished=True, finish_reason=seq.finish_reason,
-                                     num_prompt_tokens=seq.num_prompt_tokens))
             self.stats_collector.on_request_finished(rid, seq.finish_reason.type)
+            self._finish_stream(rid, stream, RequestOutput(rid, finished=True, finish_reason=seq.finish_reason,
+                                                           num_prompt_tokens=seq.num_prompt_tokens))
             return
         sp = request.sampling_params
         self._streams[rid] = stream
@@ -328,22 +673,108 @@ class Engine:
             deferred=not request.stream and not any(sp.stop),
         )
 
-    def _abort(self, rid: str, message: str, finish_type: str = "abort") -> None:
+    def _finish_stream(self, rid: str, stream: OutputStream, output: RequestOutput) -> None:
+        """Put a request's finished output on its stream; every finish goes through here.
+
+        The id leaves the live set first: a client that reads the finish and resubmits the same
+        id at once must be accepted. The runner forgets the request too.
+        """
+        with self._live_lock:
+            self._live_ids.discard(rid)
+        self._release_runner(rid)
+        stream.put(output)
+
+    def _release_runner(self, rid: str) -> None:
+        release = getattr(self.runner, "release", None)
+        if release is not None:
+            release([rid])
+
+    def _abort(self, rid: str, message: str, finish_type: str = "abort", status_code: int | None = None) -> None:
         seq = self.scheduler.abort(rid, message)
         stream = self._streams.pop(rid, None)
         detok = self._detoks.pop(rid, None)
         if stream is None:
+            if seq is not None:
+                self._release_runner(rid)
             return
         # a deferred detokenizer has emitted nothing yet: the text so far goes with the abort
         text = detok.flush() if detok is not None and detok.deferred else ""
         n_out = seq.num_output_tokens if seq is not None else 0
         n_prompt = seq.num_prompt_tokens if seq is not None else 0
-        stream.put(RequestOutput(
-            rid, new_text=text, finished=True, finish_reason=FinishReason("abort", message=message),
+        self.stats_collector.on_request_finished(rid, finish_type)
+        self._finish_stream(rid, stream, RequestOutput(
+            rid, new_text=text, finished=True,
+            finish_reason=FinishReason("abort", message=message, status_code=status_code),
             num_prompt_tokens=n_prompt, num_output_tokens=n_out,
             error=message if finish_type == "error" else None,
         ))
-        self.stats_collector.on_request_finished(rid, finish_type)
+
+    def _on_abort_matching(self, msg: AbortMatchingMsg) -> None:
+        if msg.reply is not None and not msg.reply.claim():
+            return  # the caller gave up before the engine got here: abort nothing
+        aborted = []
+        for rid in list(self._streams):
+            if not msg.matches(rid):
+                continue
+            seq = self.scheduler.get_sequence(rid)
+            waiting = seq is None or seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+            text = msg.waiting_message if waiting and msg.waiting_message is not None else msg.message
+            self._abort(rid, text, status_code=msg.status_code)
+            aborted.append(rid)
+        if aborted:
+            self._update_live()
+        if msg.reply is not None:
+            msg.reply.set(aborted)
+
+    # -- flush ------------------------------------------------------------------------------------
+
+    def _is_idle_here(self) -> bool:
+        """Engine thread: nothing in the scheduler and nothing submitted still to come."""
+        return not self.scheduler.has_unfinished_requests() and not self._streams and self.is_idle()
+
+    def _on_flush(self, msg: FlushCacheMsg) -> None:
+        if not msg.reply.claim():
+            return
+        if self._is_idle_here():
+            msg.reply.set(self._flush_caches())
+        elif msg.deadline is None:
+            msg.reply.set(FlushResult(False, FLUSH_BUSY_MESSAGE))
+        elif self._pending_flush is not None and not self._pending_flush.reply.done:
+            msg.reply.set(FlushResult(False, FLUSH_IN_PROGRESS_MESSAGE))
+        else:
+            # SGLang does not pause admission while a flush waits: it runs when the work drains.
+            self._pending_flush = msg
+
+    def _check_pending_flush(self) -> None:
+        msg = self._pending_flush
+        if msg is None:
+            return
+        if msg.reply.done:  # the caller gave up and answered itself
+            self._pending_flush = None
+        elif self._is_idle_here():
+            self._pending_flush = None
+            msg.reply.set(self._flush_caches())
+        elif time.monotonic() >= msg.deadline:
+            self._pending_flush = None
+            msg.reply.set(FlushResult(False, FLUSH_TIMEOUT_MESSAGE))
+
+    def _flush_caches(self) -> FlushResult:
+        """Engine thread, idle: empty every cache (today the allocator's free lists and the runner's
+        per-request state; the prefix cache joins here). Cumulative stats counters are not reset:
+        Prometheus counters only go up."""
+        try:
+            self.cache.reset()
+        except CacheIntegrityError:  # a page or slot still held at idle: a leak, not a cache
+            log.exception("cache flush refused: the allocator's books do not balance at idle")
+            return FlushResult(False, FLUSH_BUSY_MESSAGE)
+        flush = getattr(self.runner, "flush_cache", None)
+        if flush is not None:
+            flush()
+        self._update_live()
+        log.info("cache flushed")
+        return FlushResult(True, FLUSH_OK_MESSAGE)
+
+    # -- steps ------------------------------------------------------------------------------------
 
     def step(self) -> None:
         """One scheduler step: schedule, run the model, emit outputs."""
@@ -352,6 +783,9 @@ class Engine:
         if sched_out.is_empty:
             self._update_live()
             return
+        # What runs now (admissions, pages just allocated) is the load for the whole step: publish
+        # it before a step that may take long, for the router polling load().
+        self._publish_load()
         for s in sched_out.scheduled:
             if s.is_prefill:  # only a prefill chunk can be a request's first service (queue time)
                 self.stats_collector.on_request_scheduled(s.request_id)
@@ -360,8 +794,10 @@ class Engine:
         runner_out = self._execute(sched_out)
         now = time.monotonic()
         updates = self.scheduler.update_from_output(sched_out, runner_out)
-        self.stats_collector.on_tokens_many(
-            [(u.request_id, len(u.new_token_ids)) for u in updates if u.error is None and u.new_token_ids], now=now)
+        produced = [(u.request_id, len(u.new_token_ids)) for u in updates if u.error is None and u.new_token_ids]
+        self.stats_collector.on_tokens_many(produced, now=now)
+        if produced:
+            self._gen_rate.add(sum(n for _, n in produced), now)
         for u in updates:
             self._emit(u, now)
         self._update_live()
@@ -373,7 +809,7 @@ class Engine:
             rows.append(RowInput(
                 token_ids=s.token_ids, start_pos=s.num_computed_tokens, block_ids=s.block_table, slot_id=s.slot_id,
                 temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, seed=sp.seed or 0,
-                num_logprobs=sp.logprobs,
+                num_logprobs=sp.logprobs, request_id=s.request_id, do_sample=s.do_sample,
             ))
         try:
             results = self.runner.execute(rows)
@@ -382,9 +818,12 @@ class Engine:
             msg = f"model step failed: {type(e).__name__}: {e}"
             return RunnerOutput(sampled_token_ids=[None] * len(rows), logprobs=None,
                                 failed={s.request_id: msg for s in sched_out.scheduled})
+        # A runner may fail single rows (RowResult.error): those requests finish with the error.
+        failed = {s.request_id: r.error for s, r in zip(sched_out.scheduled, results)
+                  if getattr(r, "error", None) is not None}
         sampled = [r.token_id if s.do_sample else None for s, r in zip(sched_out.scheduled, results)]
         logprobs = [r.logprob if s.do_sample else None for s, r in zip(sched_out.scheduled, results)]
-        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, failed=failed)
 
     def _emit(self, u, now: float) -> None:
         rid = u.request_id
@@ -396,11 +835,10 @@ class Engine:
             self._streams.pop(rid, None)
             self._detoks.pop(rid, None)
             text = detok.flush() if detok.deferred else ""
-            stream.put(RequestOutput(rid, new_text=text, finished=True,
-                                     finish_reason=FinishReason("abort", message=u.error),
-                                     error=u.error, num_prompt_tokens=u.seq.num_prompt_tokens,
-                                     num_output_tokens=u.seq.num_output_tokens))
             self.stats_collector.on_request_finished(rid, "error")
+            self._finish_stream(rid, stream, RequestOutput(
+                rid, new_text=text, finished=True, finish_reason=FinishReason("abort", message=u.error),
+                error=u.error, num_prompt_tokens=u.seq.num_prompt_tokens, num_output_tokens=u.seq.num_output_tokens))
             return
         text = detok.step(u.new_token_ids, exclude_last=is_token_stop(u.finish_reason))
         reason = StopChecker.merge(u.finish_reason, detok.matched_stop)
@@ -415,11 +853,15 @@ class Engine:
             finished=reason is not None, finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
         )
-        stream.put(out)
-        if reason is not None:
-            self._streams.pop(rid, None)
-            self._detoks.pop(rid, None)
-            self.stats_collector.on_request_finished(rid, reason.type)
+        if reason is None:
+            stream.put(out)
+            return
+        self._streams.pop(rid, None)
+        self._detoks.pop(rid, None)
+        self.stats_collector.on_request_finished(rid, reason.type)
+        self._finish_stream(rid, stream, out)
+
+    # -- published state (read by any thread) -----------------------------------------------------
 
     def _update_live(self) -> None:
         c = self.cache
@@ -428,4 +870,34 @@ class Engine:
             running=self.scheduler.num_running, queued=self.scheduler.num_waiting,
             pages_used=c.num_used_blocks, pages_total=c.num_usable_blocks,
             slots_used=c.num_used_slots, slots_total=c.num_usable_slots, tokens_in_flight=tokens_in_flight,
+        )
+        self._publish_load()
+
+    def _publish_load(self) -> None:
+        # One reference assignment: a reader on another thread sees the old or the new load, whole.
+        self._load = self._compute_load()
+
+    def _compute_load(self) -> EngineLoad:
+        """Engine thread: the EngineLoad of this moment (gen_throughput and num_pending_reqs are
+        filled in by `load()` on the reading thread)."""
+        c, s = self.cache, self.scheduler
+        page = c.block_size
+        used_tokens = c.num_used_blocks * page
+        max_tokens = c.num_usable_blocks * page
+        return EngineLoad(
+            num_running_reqs=s.num_running,
+            num_waiting_reqs=s.num_waiting,
+            num_used_tokens=used_tokens,
+            num_total_tokens=sum(seq.num_tokens for seq in s.requests.values()),
+            # what the waiting requests must prefill: their prompts (prompt + output once preempted)
+            num_waiting_uncached_tokens=sum(seq.num_tokens for seq in s.waiting),
+            max_total_num_tokens=max_tokens,
+            max_running_requests=self.scheduler_config.max_num_seqs,
+            token_usage=used_tokens / max_tokens if max_tokens else 0.0,
+            cache_hit_rate=0.0,
+            num_used_pages=c.num_used_blocks,
+            num_total_pages=c.num_usable_blocks,
+            num_used_slots=c.num_used_slots,
+            num_total_slots=c.num_usable_slots,
+            page_size=page,
         )

@@ -10,39 +10,17 @@ of the eager path is a test of the compiled shapes.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
 from trnrt.config import EngineConfig
-from trnrt.engine.outputs import TokenLogprob
+# RowInput / RowResult live in the pure outputs module (the scripted runner uses them without torch).
+from trnrt.engine.outputs import RowInput, RowResult, TokenLogprob
 from trnrt.engine.step import SAMPLERS, STEP_INPUT_NAMES, GraphSpec, StepFunction
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RowInput:
-    """One sequence's work for this step."""
-
-    token_ids: list[int]  # the new tokens fed this step
-    start_pos: int  # num_computed_tokens before this step
-    block_ids: list[int]  # the sequence's block table
-    slot_id: int
-    temperature: float
-    top_p: float
-    top_k: int  # -1 / 0 = disabled
-    min_p: float
-    seed: int
-    num_logprobs: int | None  # None: no logprobs
-
-
-@dataclass
-class RowResult:
-    token_id: int
-    logprob: TokenLogprob | None
 
 
 # Column inputs of the step function (STEP_INPUT_NAMES minus input_ids and block_tables), their
@@ -166,9 +144,19 @@ class ModelRunner:
 
     # -- public ------------------------------------------------------------------------------
 
+    def thread_context(self):
+        """Entered once around the engine thread's whole loop: inference mode (so `_run` skips
+        entering it every step)."""
+        return torch.inference_mode()
+
+    def release(self, request_ids) -> None:
+        """The engine finished these requests. The model runner keeps no per-request state (a
+        sequence's state lives in its pages and slot, freed by the cache manager): a no-op."""
+
     def execute(self, rows: list[RowInput]) -> list[RowResult]:
         """Run one scheduler step. Returns one result per row, in order (partial prefill chunks
-        get a result too; the caller ignores it)."""
+        get a result too; the caller ignores it). Raises if the step fails (the engine then fails
+        every request of the step); `RowResult.error` is never set by this runner."""
         results: list[RowResult | None] = [None] * len(rows)
         decode = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
         prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]

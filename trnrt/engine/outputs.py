@@ -46,6 +46,46 @@ class RequestOutput:
     error: str | None = None
 
 
+# -- Engine <-> runner (one row per scheduled sequence) ----------------------------------------
+
+
+@dataclass
+class RowInput:
+    """One sequence's work for this step, as the engine hands it to a runner's `execute`.
+
+    The model runner needs only the token/position/cache/sampling fields; `request_id` and
+    `do_sample` are there for runners that keep per-request state (the scripted runner replays a
+    script per request and must know which row ends a prompt). The model runner ignores both.
+    """
+
+    token_ids: list[int]  # the new tokens fed this step
+    start_pos: int  # num_computed_tokens before this step
+    block_ids: list[int]  # the sequence's block table
+    slot_id: int
+    temperature: float
+    top_p: float
+    top_k: int  # -1 / 0 = disabled
+    min_p: float
+    seed: int
+    num_logprobs: int | None  # None: no logprobs
+    request_id: str = ""
+    do_sample: bool = True  # False: a partial prefill chunk (its result is ignored)
+
+
+@dataclass
+class RowResult:
+    """What a runner produced for one row: the sampled token (and its logprobs when asked).
+
+    `error` set means this row (its request) failed inside the runner while the other rows of the
+    step are fine: the engine finishes that request with an error and `token_id` is ignored. A
+    runner whose whole step failed raises instead.
+    """
+
+    token_id: int
+    logprob: TokenLogprob | None = None
+    error: str | None = None
+
+
 # -- Scheduler <-> ModelRunner --------------------------------------------------------------
 #
 # One engine step:  Scheduler.schedule() -> SchedulerOutput -> ModelRunner -> RunnerOutput

@@ -91,11 +91,14 @@ class FinishReason:
     """Why a request ended. `type` is "stop" | "length" | "abort" (errors are aborts with a message).
 
     `matched` is the token id or stop string that ended a "stop" finish (None for EOS-free stops).
+    `status_code` is the HTTP status a system abort carries (SGLang's FINISH_ABORT: 503 when the
+    engine shuts down); a client or admin abort carries none.
     """
 
     type: Literal["stop", "length", "abort"]
     matched: int | str | None = None
     message: str | None = None
+    status_code: int | None = None
 
     def to_dict(self) -> dict:
         d: dict = {"type": self.type}
@@ -103,6 +106,8 @@ class FinishReason:
             d["matched"] = self.matched
         if self.message is not None:
             d["message"] = self.message
+        if self.status_code is not None:
+            d["status_code"] = self.status_code
         return d
 
 
