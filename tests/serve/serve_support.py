@@ -1,7 +1,9 @@
 """Serve test fixtures: a tokenizer dir, scripted engines, a real waitress server on a free port.
 
-Exact-output tests use the scripted engine: a script looks for `SCRIPT:<name>` in the prompt text
-and replays SCRIPTS[name] token by token (default: SCRIPTS["plain"]).
+Exact-output tests use the scripted engine, the real Engine with a scripted runner in place of the
+model: a script looks for `SCRIPT:<name>` in the prompt text and the runner replays SCRIPTS[name]
+token by token as the sampled tokens (default: SCRIPTS["plain"]); the model's EOS ends an
+exhausted script.
 
 REAL ENGINE HOOK: `make_real_engine()` below returns None until the real engine lands; then it
 must return an EngineClient for the tiny model. Tests using the `any_server` fixture run once per
@@ -95,11 +97,16 @@ def eos_ids(tokenizer) -> tuple[int, ...]:
 
 
 def make_scripted_engine(tokenizer_factory, **kw):
-    from trnrt.serve.scripted import ScriptedEngine
+    """The real Engine with a scripted runner (`Engine.scripted`): real scheduler, stop checks,
+    detokenizer, streams and page accounting, outputs from `make_script`. `kw` goes to
+    Engine.scripted (step_delay_s, max_running_requests, max_model_len, ...); its runner is
+    `engine.runner` (`.paused` holds the engine inside a step) and `engine.submitted` holds the
+    last submitted GenerateRequests."""
+    from trnrt.engine.engine import Engine
 
     tok = tokenizer_factory()
     kw.setdefault("max_model_len", 1024)
-    return ScriptedEngine(tok, make_script(tok), eos_token_ids=eos_ids(tok), **kw)
+    return Engine.scripted(tok, make_script(tok), eos_token_ids=eos_ids(tok), **kw)
 
 
 # === REAL ENGINE HOOK =============================================================================

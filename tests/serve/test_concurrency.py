@@ -82,9 +82,11 @@ def wait_for(pred, timeout_s: float, what: str):
 def slow_server(tokenizer_factory):
     from trnrt.serve import ServeSettings
 
-    # 10 ms per decode step: a 400-token answer takes 4 s, so an abort is plainly visible.
+    # 10 ms per decode step: a 400-token answer takes 4 s, so an abort is plainly visible. The real
+    # scheduler runs behind the scripted runner: a step budget of 4096 tokens (the default preset's
+    # is 64) admits all 64 prompts of test_64_concurrent_streams in one step, so they all run at once.
     engine = make_scripted_engine(tokenizer_factory, step_delay_s=0.01, max_running_requests=64,
-                                  max_model_len=4096)
+                                  max_model_len=4096, max_num_batched_tokens=4096)
     server = start_server(engine, tokenizer_factory, ServeSettings(served_model_name=MODEL))
     yield server
     stop_server(server)
@@ -114,14 +116,14 @@ def test_64_concurrent_streams(slow_server):
     mon = threading.Thread(target=monitor, daemon=True)
     mon.start()
     # Hold the engine until all 64 requests are in, so they provably run at the same time.
-    slow_server.engine.paused.set()
+    slow_server.engine.runner.paused.set()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     try:
         wait_for(lambda: state.active_requests == n, 30.0, "all clients to be admitted")
     finally:
-        slow_server.engine.paused.clear()
+        slow_server.engine.runner.paused.clear()
     for t in threads:
         t.join(60)
     stop.set()

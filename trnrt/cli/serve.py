@@ -69,20 +69,23 @@ def build_engine(args: ServeArgs):
     --tokenizer-path or the model directory (one instance per waitress thread).
 
     HOOK: the real engine is wired here (`Engine.from_model_dir(model_dir, ...)`); it must satisfy
-    trnrt.engine.client.EngineClient. `--scripted` serves a ScriptedEngine (no model weights).
+    trnrt.engine.client.EngineClient. `--scripted` serves the same Engine with a scripted runner
+    in place of the model (`Engine.scripted` with `echo_script`; only a tokenizer is read).
     """
     from trnrt.serve import hf_tokenizer_factory
 
     model_dir = resolve_model_dir(args)
     tokenizer_factory = hf_tokenizer_factory(args.tokenizer_path or model_dir)
     if args.scripted:
-        from trnrt.serve.scripted import ScriptedEngine
+        from trnrt.engine.engine import Engine
+        from trnrt.engine.scripted_runner import echo_script
 
-        max_len = args.context_length or 4096
-        engine = ScriptedEngine(tokenizer_factory(), served_model_name=args.served_model_name or "trnrt-tiny",
-                                model_path=model_dir, max_model_len=max_len,
-                                max_running_requests=args.max_running_requests,
-                                step_delay_s=args.scripted_step_delay_s)
+        engine = Engine.scripted(tokenizer_factory(), echo_script,
+                                 served_model_name=args.served_model_name or "trnrt-tiny", model_path=model_dir,
+                                 max_model_len=args.context_length or 4096,
+                                 max_running_requests=args.max_running_requests,
+                                 step_delay_s=args.scripted_step_delay_s, stream_interval=args.stream_interval,
+                                 submit_log_size=0)
         return engine, tokenizer_factory
     try:
         from trnrt.engine.engine import Engine  # the real engine (written against the same contract)

@@ -34,7 +34,8 @@ class GenerationResult:
 class LLM:
     """Loads a checkpoint (None: the embedded tiny model) behind an engine thread.
 
-    All prompts of one `generate` call are submitted together, so they are batched.
+    All prompts of one `generate` call are submitted together (`EngineClient.submit_many`), so
+    they are batched; the admin calls go through the same client methods the HTTP routes use.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs):
@@ -83,6 +84,20 @@ class LLM:
                     res.error = out.error
             results.append(res)
         return results
+
+    def abort_requests(self, prefix: str = "", *, abort_all: bool = False, message: str = "Aborted",
+                       timeout_s: float = 5.0) -> list[str]:
+        """Abort queued or running requests by id prefix, or all (EngineClient.abort_requests); for
+        a `generate` running on another thread."""
+        return self.engine.abort_requests(prefix, abort_all=abort_all, message=message, timeout_s=timeout_s)
+
+    def flush_cache(self, timeout_s: float = 0.0):
+        """Empty the engine's caches when it is idle (EngineClient.flush_cache) -> FlushResult."""
+        return self.engine.flush_cache(timeout_s)
+
+    def load(self):
+        """The engine's load (EngineClient.load) -> EngineLoad."""
+        return self.engine.load()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
