@@ -83,7 +83,7 @@ def submit(st: ServeState, reqs: list[GenerateRequest], field_name: Callable[[st
     4xx naming the field as the client spelled it (`field_name` maps engine names)."""
     st.acquire()
     try:
-        streams = st.engine.submit_many(reqs) if hasattr(st.engine, "submit_many") else [st.engine.submit(r) for r in reqs]  # TODO(scripted runner): drop the fallback
+        streams = st.engine.submit_many(reqs)
     except InvalidRequestError as e:
         st.release()
         raise err(str(e), field_name(e.field))
