@@ -172,6 +172,7 @@ def serve(
     port: Annotated[int, typer.Option("--port", help="Port (0: any free port).", min=0, max=65535)] = 30000,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TRNRT_API_KEY", show_envvar=True, help="Require `Authorization: Bearer KEY` (all routes but /health). Prefer --api-key-file or TRNRT_API_KEY: a command-line key is visible to every local user in the process list.")] = None,
     api_key_file: Annotated[Optional[str], typer.Option("--api-key-file", help="Read the API key from this file (first line).", metavar="FILE")] = None,
+    admin_api_key: Annotated[Optional[str], typer.Option("--admin-api-key", envvar="TRNRT_ADMIN_API_KEY", show_envvar=True, help="The key /flush_cache and /abort_request need instead of --api-key (SGLang's flag); other routes are unaffected.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id in the API.")] = None,
     max_running_requests: Annotated[int, typer.Option("--max-running-requests", help="Requests decoding at once.", min=1)] = 64,
     max_queued_requests: Annotated[Optional[int], typer.Option("--max-queued-requests", help="Requests waiting in the engine (default: --max-running-requests); beyond running + queued, 503.", min=0)] = None,
@@ -239,6 +240,9 @@ def serve(
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         incremental_streaming_output=incremental_streaming_output,
         allowed_origins=_csv(allowed_origins), allowed_hosts=_csv(allowed_hosts) or None, bind_host=args.host,
+        tokenizer_path=args.tokenizer_path, admin_api_key=admin_api_key or None,
+        # reported by /server_info; keys never are
+        server_args={k: v for k, v in vars(args).items() if "api_key" not in k},
     )
     wsgi = create_app(engine, tokenizer_factory, settings)
     name = settings.served_model_name or engine.model_info.served_model_name

@@ -13,7 +13,7 @@ from typing import Callable
 import falcon
 
 from trnrt.engine.client import EngineClient
-from trnrt.serve.handlers import generate, info, openai
+from trnrt.serve.handlers import admin, generate, info, openai
 from trnrt.serve.http import errors
 from trnrt.serve.http.auth import AuthMiddleware, InFlightMiddleware
 from trnrt.serve.http.origin import OriginMiddleware
@@ -43,8 +43,8 @@ def create_app(engine_client: EngineClient, tokenizer_factory: Callable[[], obje
     # The in-flight counter first, so a request refused by auth is counted and uncounted too.
     middleware = [InFlightMiddleware(state),
                   OriginMiddleware(tuple(settings.allowed_origins), settings.allowed_hosts, settings.bind_host)]
-    if settings.api_key:
-        middleware.append(AuthMiddleware(settings.api_key))
+    if settings.api_key or settings.admin_api_key:
+        middleware.append(AuthMiddleware(settings.api_key, settings.admin_api_key, admin.ADMIN_PATHS))
     app = ServeApp(middleware=middleware)
     app.serve_state = state
     errors.register(app)
@@ -59,6 +59,16 @@ def create_app(engine_client: EngineClient, tokenizer_factory: Callable[[], obje
         "/v1/chat/completions": openai.ChatCompletions(state),
         # SGLang native
         "/generate": generate.Generate(state),
+        # Admin and info (SGLang's current names, then its deprecated aliases)
+        "/model_info": admin.ModelInfo(state),
+        "/get_model_info": admin.ModelInfo(state, alias="/get_model_info"),
+        "/server_info": admin.ServerInfo(state),
+        "/get_server_info": admin.ServerInfo(state, alias="/get_server_info"),
+        "/v1/loads": admin.Loads(state),
+        "/get_load": admin.GetLoad(state),
+        "/health_generate": admin.HealthGenerate(state),
+        "/abort_request": admin.AbortRequest(state),
+        "/flush_cache": admin.FlushCache(state),
     }
     for path, resource in routes.items():
         app.add_route(path, resource)

@@ -7,17 +7,31 @@ import hmac
 from trnrt.serve.http.errors import OpenAIError
 
 class AuthMiddleware:
-    """`Authorization: Bearer <key>` on every route but /health (as SGLang exempts it)."""
+    """`Authorization: Bearer <key>` on every route but /health (as SGLang exempts it).
 
-    def __init__(self, api_key: str):
-        self._key = api_key.encode()
+    `admin_paths` are SGLang's "admin-optional" routes (/flush_cache, /abort_request): with an
+    `admin_api_key` they need that key and only that key (SGLang does not accept --api-key there
+    once --admin-api-key is set); without one they need `api_key` like every other route. Other
+    routes need `api_key` when it is set and are open otherwise, whatever `admin_api_key` is
+    (SGLang's rule, srt/utils/auth.py).
+    """
+
+    def __init__(self, api_key: str | None, admin_api_key: str | None = None, admin_paths=()):
+        self._key = api_key.encode() if api_key else None
+        self._admin_key = admin_api_key.encode() if admin_api_key else None
+        self._admin_paths = frozenset(admin_paths)
 
     def process_request(self, req, resp) -> None:
         if req.path == "/health":
             return
+        key = self._key
+        if self._admin_key is not None and req.path in self._admin_paths:
+            key = self._admin_key
+        if key is None:
+            return
         header = req.get_header("Authorization") or ""
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
             raise OpenAIError(401, "Invalid or missing API key (Authorization: Bearer <key>).",
                               type_="authentication_error", code="invalid_api_key")
 

@@ -35,6 +35,14 @@ class ServeSettings:
     default_chat_template_kwargs: merged under each request's chat_template_kwargs.
     incremental_streaming_output: SGLang's flag: /generate streams carry deltas, not cumulative text.
     allowed_origins / allowed_hosts / bind_host: the Origin and Host checks (trnrt.serve.http.origin).
+    tokenizer_path: the tokenizer directory the server loads (None: the engine's `model_path`);
+        /model_info reports it, and bench_serving and the router load their tokenizer from it.
+    admin_api_key: SGLang's --admin-api-key. When set, the admin routes (/flush_cache,
+        /abort_request) need it and no longer accept api_key; other routes are unaffected.
+    server_args: launch settings to report on /server_info (host, port, threads, ...; the CLI
+        passes its parsed options). Keys holding "api_key" are never reported.
+    health_generate_timeout_s: how long /health_generate waits for the engine (SGLang's
+        SGLANG_HEALTH_CHECK_TIMEOUT, 20 s) before it answers 503.
     """
 
     served_model_name: str | None = None
@@ -50,6 +58,10 @@ class ServeSettings:
     allowed_origins: tuple = ()
     allowed_hosts: tuple | None = None
     bind_host: str | None = None
+    tokenizer_path: str | None = None
+    admin_api_key: str | None = None
+    server_args: dict = field(default_factory=dict)
+    health_generate_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
@@ -58,6 +70,8 @@ class ServeSettings:
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or None")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")
+        if not self.health_generate_timeout_s > 0:
+            raise ValueError("health_generate_timeout_s must be > 0")
 
 
 class TokenizerInfo:
@@ -107,6 +121,8 @@ class ServeState:
         self.model_name = settings.served_model_name or info.served_model_name
         self.context_len = min(settings.context_length or info.max_model_len, info.max_model_len)
         self.created = int(time.time())
+        self.tokenizer_path = settings.tokenizer_path or info.model_path
+        self.version = package_version()
         self.shutting_down = threading.Event()
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -181,6 +197,16 @@ class ServeState:
                 self._idle.wait(left)
         return True
 
+
+
+def package_version() -> str:
+    """trnrt's installed version (package metadata), as /server_info and /v1/loads report it."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("trnrt")
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "0.0.0+src"
 
 
 def hf_tokenizer_factory(model_dir: str) -> Callable[[], object]:
