@@ -800,7 +800,9 @@ class Engine:
             self._gen_rate.add(sum(n for _, n in produced), now)
         for u in updates:
             self._emit(u, now)
-        self._update_live()
+        # The load is published before the next step (or when the engine goes idle): once per
+        # step is enough, and it walks every live request.
+        self._update_live(publish_load=False)
 
     def _execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         rows = []
@@ -863,7 +865,7 @@ class Engine:
 
     # -- published state (read by any thread) -----------------------------------------------------
 
-    def _update_live(self) -> None:
+    def _update_live(self, publish_load: bool = True) -> None:
         c = self.cache
         tokens_in_flight = sum(s.num_tokens for s in self.scheduler.running)
         self.stats_collector.set_live(
@@ -871,7 +873,8 @@ class Engine:
             pages_used=c.num_used_blocks, pages_total=c.num_usable_blocks,
             slots_used=c.num_used_slots, slots_total=c.num_usable_slots, tokens_in_flight=tokens_in_flight,
         )
-        self._publish_load()
+        if publish_load:
+            self._publish_load()
 
     def _publish_load(self) -> None:
         # One reference assignment: a reader on another thread sees the old or the new load, whole.
