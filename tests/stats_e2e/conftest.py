@@ -30,17 +30,21 @@ class SpyEngine:
         return getattr(self._engine, name)
 
     def submit(self, request):
-        stream = self._engine.submit(request)
-        put = stream.put
+        return self.submit_many([request])[0]
 
-        def spy_put(out, _put=put):
-            if out.finished:
-                with self._lock:
-                    self.finals[out.request_id] = out
-            _put(out)
+    def submit_many(self, requests):
+        streams = self._engine.submit_many(requests)
+        for stream in streams:
+            put = stream.put
 
-        stream.put = spy_put  # the engine thread calls stream.put; the HTTP worker reads as usual
-        return stream
+            def spy_put(out, _put=put):
+                if out.finished:
+                    with self._lock:
+                        self.finals[out.request_id] = out
+                _put(out)
+
+            stream.put = spy_put  # the engine thread calls stream.put; the HTTP worker reads as usual
+        return streams
 
 
 @dataclass
