@@ -162,6 +162,15 @@ def test_incremental_stream(tokenizer_factory):
         stop_server(srv)
 
 
+def test_per_request_stream_interval(scripted_server):
+    """sampling_params.stream_interval: a chunk every N tokens (and the last), same final answer."""
+    body = {"text": "SCRIPT:long", "sampling_params": {"max_new_tokens": 10, "stream_interval": 3}}
+    _, whole, _ = generate(scripted_server, body)
+    _, chunks, _ = generate(scripted_server, {**body, "stream": True})
+    assert [len(c["output_ids"]) for c in chunks] == [3, 6, 9, 10]
+    assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
+
+
 # --- parity with /v1/completions ----------------------------------------------------------------
 def _completions(server, prompts, stream: bool):
     body = {"model": "trnrt-tiny", "prompt": prompts, "max_tokens": 6, "temperature": 0, "logprobs": 2,

@@ -398,7 +398,8 @@ class Engine:
             self._live_ids.update(ids)
         # A non-streamed request's client waits for the final output only: not waking it every
         # step keeps its thread off the GIL while the engine runs (trnrt.engine.stream).
-        streams = [OutputStream(r.request_id, self.stream_interval if r.stream else 0) for r in requests]
+        streams = [OutputStream(r.request_id, (r.stream_interval or self.stream_interval) if r.stream else 0)
+                   for r in requests]
         if self.submitted is not None:
             self.submitted.extend(requests)
         self._post(SubmitMsg(list(requests), streams))
@@ -407,6 +408,9 @@ class Engine:
     def _prepare(self, request: GenerateRequest) -> None:
         if not self._accepting or not self.thread.is_alive():
             raise EngineDeadError("the engine is not accepting requests (shutting down)")
+        si = request.stream_interval
+        if si is not None and (not isinstance(si, int) or isinstance(si, bool) or si < 1):
+            raise InvalidRequestError(f"stream_interval must be an integer >= 1, got {si!r}", field="stream_interval")
         vocab = self.model_info.vocab_size
         for t in request.prompt_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not (0 <= t < vocab):

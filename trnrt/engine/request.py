@@ -128,6 +128,9 @@ class GenerateRequest:
     # only the final output matters, delivered once, merged (a non-streamed HTTP response, offline
     # generate). Same tokens and text either way; see trnrt.engine.stream.
     stream: bool = True
+    # Outputs per delivery for a streamed request (SGLang's sampling_params.stream_interval);
+    # None: the engine's --stream-interval.
+    stream_interval: int | None = None
 
 
 def check_context_length(

@@ -325,7 +325,7 @@ def to_engine_requests(greq: GenerateRequestIn, tokenizer, ctx: int, vocab_size:
         params = item.params.clone(max_new_tokens=_context_max_new(item, len(ids), ctx))
         check_sampling(params, vocab_size, SGLANG, renames={"logprobs": "top_logprobs_num"})
         kw = {"request_id": item.rid} if item.rid is not None else {}
-        out.append(GenerateRequest(list(ids), params, stream=greq.stream, **kw))
+        out.append(GenerateRequest(list(ids), params, stream=greq.stream, stream_interval=item.stream_interval, **kw))
     return out
 
 
