@@ -182,7 +182,8 @@ probe "GET /metrics (router /engine_metrics fan-out)" GET "$A/metrics" "" \
     '"# TYPE" in t and "text"'
 
 bench() {  # bench BACKEND URL LABEL
-    local out=$WORK/bench-$1-$3.jsonl log=$WORK/bench-$1-$3.log
+    local slug=${3// /-}
+    local out=$WORK/bench-$1-$slug.jsonl log=$WORK/bench-$1-$slug.log
     local cmd=("$SPY" -m sglang.bench_serving --backend "$1" --base-url "$2"
         --dataset-name random-ids --tokenizer "$CKPT"
         --num-prompts "$NUM_PROMPTS" --max-concurrency "$MAX_CONCURRENCY"
@@ -192,8 +193,10 @@ bench() {  # bench BACKEND URL LABEL
     show env HF_HUB_OFFLINE=1 "${cmd[@]}"
     local rc=0
     "${cmd[@]}" >"$log" 2>&1 || rc=$?
-    # the warnings sglang prints at import (CUDA-only quantisation kernels) are noise here
-    grep -v -E 'UserWarning: Only|warnings.warn|FutureWarning: `sglang.bench_serving`|^  from sglang' "$log" || true
+    # the warnings sglang prints at import (CUDA-only quantisation kernels) and its two dumps of
+    # the parsed arguments are noise here (they stay in the log file)
+    grep -v -E 'UserWarning: Only|warnings.warn|FutureWarning: `sglang.bench_serving`|^  from sglang|^(benchmark_args=)?Namespace\(' "$log" \
+        | tr '\r' '\n' | grep -v -E '^ *[0-9]+%\|' || true
     local completed
     completed=$("$TPY" -c 'import json,sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])["completed"])' "$out" 2>/dev/null || echo 0)
     if [[ $rc == 0 && $completed == "$NUM_PROMPTS" ]]; then
