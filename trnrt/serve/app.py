@@ -13,7 +13,7 @@ from typing import Callable
 import falcon
 
 from trnrt.engine.client import EngineClient
-from trnrt.serve.handlers import admin, generate, info, openai
+from trnrt.serve.handlers import admin, generate, info, openai, tokenize
 from trnrt.serve.http import errors
 from trnrt.serve.http.auth import AuthMiddleware, InFlightMiddleware
 from trnrt.serve.http.origin import OriginMiddleware
@@ -57,6 +57,11 @@ def create_app(engine_client: EngineClient, tokenizer_factory: Callable[[], obje
         "/v1/models/{model_id:path}": openai.Model(state),
         "/v1/completions": openai.Completions(state),
         "/v1/chat/completions": openai.ChatCompletions(state),
+        # Tokenizer routes (SGLang serves both spellings; vLLM the bare ones): request thread only
+        "/tokenize": (tok := tokenize.Tokenize(state)),
+        "/v1/tokenize": tok,
+        "/detokenize": (detok := tokenize.Detokenize(state)),
+        "/v1/detokenize": detok,
         # SGLang native
         "/generate": generate.Generate(state),
         # Admin and info (SGLang's current names, then its deprecated aliases)
