@@ -1,4 +1,4 @@
-"""The layer direction of DESIGN.md holds, and the light entry points never load torch."""
+"""The layer direction of docs/ARCHITECTURE.md holds, and the light entry points never load torch."""
 
 import os
 import shutil

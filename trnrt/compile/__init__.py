@@ -6,7 +6,7 @@
 - pipeline.compile_graphs(...) -> artifacts + manifest.json under <out>/<preset>/<backend>/;
 - loader.load_compiled(dir, model, state, engine_config) -> {GraphSpec: callable}.
 
-Layering (DESIGN.md): compile sits above engine and models; the engine's ModelRunner does not
+Layering (docs/ARCHITECTURE.md): compile sits above engine and models; the engine's ModelRunner does not
 import this package: the CLI / server call load_compiled and hand the dict to the runner.
 """
 

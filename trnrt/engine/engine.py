@@ -1,6 +1,6 @@
 """Engine: one thread owns the scheduler, the runner, detokenizers and stats.
 
-Request flow (DESIGN.md): a client thread calls `submit()` (validation happens there and raises
+Request flow (docs/ARCHITECTURE.md): a client thread calls `submit()` (validation happens there and raises
 InvalidRequestError naming the field) -> a typed message on the engine thread's inbox
 (trnrt.engine.messages: submit, abort, abort by prefix / all, flush cache, load query) -> the
 engine thread handles the inbox in order between steps -> `scheduler.schedule()` ->
