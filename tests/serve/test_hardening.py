@@ -204,3 +204,39 @@ def test_serves_after_hardening_cases(scripted_server):
         status, data, _ = scripted_server.raw("POST", path, ok_body(path))
         assert status == 200, data
     assert_idle(scripted_server)
+
+
+def test_tokenization_counts_against_admission(tokenizer_factory):
+    """With the HTTP layer full, a request is refused (503) before its body is parsed or tokenized,
+    on the generation routes and on /tokenize alike; the slot comes back when the holder ends."""
+    import threading
+
+    from serve_support import make_scripted_engine, start_server, stop_server
+    from trnrt.serve import ServeSettings
+
+    engine = make_scripted_engine(tokenizer_factory)
+    srv = start_server(engine, tokenizer_factory, ServeSettings(served_model_name=MODEL, max_concurrent_requests=1))
+    try:
+        engine.runner.paused.set()
+        holder = threading.Thread(target=srv.raw, args=("POST", COMP, ok_body(COMP)), daemon=True)
+        holder.start()
+        deadline = time.monotonic() + 5
+        from trnrt.serve import get_state
+
+        while get_state(srv.app).active_requests < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert get_state(srv.app).active_requests == 1
+        for path, body in ((CHAT, ok_body(CHAT)), (GEN, ok_body(GEN)), ("/tokenize", {"prompt": "hi"})):
+            status, data, _ = srv.raw("POST", path, body)
+            assert status == 503, (path, data)
+        # even a malformed body is refused for capacity first: nothing was read or tokenized
+        status, _, _ = srv.raw("POST", CHAT, "{not json")
+        assert status == 503
+        engine.runner.paused.clear()
+        holder.join(10)
+        status, data, _ = srv.raw("POST", "/tokenize", {"prompt": "hi"})
+        assert status == 200, data
+        assert get_state(srv.app).active_requests == 0
+    finally:
+        engine.runner.paused.clear()
+        stop_server(srv)

@@ -1,7 +1,8 @@
 """What every generation route shares: admit -> parse -> render -> submit -> drain -> close.
 
-A route handler parses its body with its API's protocol module, builds engine requests, and calls
-`submit()`, which takes an admission slot and submits them together (`EngineClient.submit_many`).
+A route handler takes an admission slot (`Admission`, 503 when the HTTP layer is full) before it
+reads the body, parses it with its API's protocol module, renders and tokenizes, builds engine
+requests, and calls `submit()`, which submits them together (`EngineClient.submit_many`).
 The returned `Submitted` drains the engine streams (checking for a client that left) and, in
 `close()` — which runs in a `finally` for JSON bodies and from the WSGI body's close() for SSE —
 aborts whatever has not finished and releases the admission slot. `respond()` hands a renderer
@@ -51,11 +52,41 @@ def client_gone(req) -> Callable[[], bool]:
     return probe if probe is not None else (lambda: False)
 
 
+class Admission:
+    """One admission slot of the HTTP layer (503 when full), held from before the body is parsed
+    and tokenized until the response is written, so tokenization work counts against admission too.
+
+    Use as a context manager around parse -> render -> submit: an exception (or a handler that
+    returns without submitting) releases the slot; `submit(..., admission=adm)` hands it to the
+    `Submitted`, whose close() releases it.
+    """
+
+    def __init__(self, st: ServeState):
+        st.acquire()
+        self.st = st
+        self.held = True
+        self.transferred = False
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.st.release()
+
+    def __enter__(self) -> "Admission":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.transferred:
+            self.release()
+
+
 class Submitted:
     """The engine requests of one HTTP request in flight: their streams, draining, and cleanup."""
 
-    def __init__(self, st: ServeState, reqs: list[GenerateRequest], streams: list):
+    def __init__(self, st: ServeState, reqs: list[GenerateRequest], streams: list,
+                 admission: Admission | None = None):
         self.st, self.reqs, self.streams = st, reqs, streams
+        self.admission = admission
         self.done = [False] * len(reqs)
         self.closed = False
 
@@ -74,27 +105,47 @@ class Submitted:
         for g, d in zip(self.reqs, self.done):
             if not d:
                 self.st.engine.abort(g.request_id)
-        self.st.release()
+        if self.admission is not None:
+            self.admission.release()
+        else:
+            self.st.release()
 
 
 def submit(st: ServeState, reqs: list[GenerateRequest], field_name: Callable[[str | None], str | None],
-           err: Callable[[str, str | None], APIError] = bad_request) -> Submitted:
-    """Admit (503 when the HTTP layer is full) and submit `reqs` together; an engine refusal is a
-    4xx naming the field as the client spelled it (`field_name` maps engine names)."""
-    st.acquire()
+           err: Callable[[str, str | None], APIError] = bad_request, *, admission: Admission | None = None,
+           req=None) -> Submitted:
+    """Submit `reqs` together; an engine refusal is a 4xx naming the field as the client spelled it
+    (`field_name` maps engine names). With `admission` the slot taken before parsing is handed to
+    the result; without, one is taken here (503 when the HTTP layer is full). With `req`, a
+    client that left while its prompt was tokenized is not submitted at all."""
+    if admission is None:
+        admission = Admission(st)
+        own = True
+    else:
+        own = False
     try:
+        if req is not None and client_gone(req)():
+            raise bad_request("client closed the request")  # nobody reads it; nothing to run
         streams = st.engine.submit_many(reqs)
     except InvalidRequestError as e:
-        st.release()
+        if own:
+            admission.release()
         raise err(str(e), field_name(e.field))
+    except APIError:
+        if own:
+            admission.release()
+        raise
     except Exception as e:  # engine stopped or broken: not the client's fault, not a 500 either
-        st.release()
+        if own:
+            admission.release()
         log.warning("engine refused request %s: %s", reqs[0].request_id if reqs else "-", e)
         raise unavailable(f"The engine cannot accept requests: {e}")
     except BaseException:
-        st.release()
+        if own:
+            admission.release()
         raise
-    return Submitted(st, reqs, list(streams))
+    admission.transferred = True
+    return Submitted(st, reqs, list(streams), admission)
 
 
 def sse_headers(resp) -> None:

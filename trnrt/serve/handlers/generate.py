@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from trnrt.serve.handlers.base import begin, respond, submit
+from trnrt.serve.handlers.base import Admission, begin, respond, submit
 from trnrt.serve.http.errors import APIError, SGLangObjectError
 from trnrt.serve.http.state import ServeState
 from trnrt.serve.output.sglang import GenerateRenderer
@@ -21,9 +21,10 @@ class Generate:
         st = self.state
         t0 = time.monotonic()
         try:
-            greq, ti = begin(st, req, parse_generate)
-            reqs = to_engine_requests(greq, ti.tokenizer, st.context_len, st.engine.model_info.vocab_size)
-            sub = submit(st, reqs, lambda f: engine_field_to_sglang(f, greq))
+            with Admission(st) as adm:
+                greq, ti = begin(st, req, parse_generate)
+                reqs = to_engine_requests(greq, ti.tokenizer, st.context_len, st.engine.model_info.vocab_size)
+                sub = submit(st, reqs, lambda f: engine_field_to_sglang(f, greq), admission=adm, req=req)
         except SGLangObjectError:
             raise
         except APIError as e:

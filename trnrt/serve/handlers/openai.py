@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trnrt.serve.handlers.base import begin, respond, submit
+from trnrt.serve.handlers.base import Admission, begin, respond, submit
 from trnrt.serve.http.state import ServeState
 from trnrt.serve.output.assembler import ChatOutput, TokenCounter
 from trnrt.serve.output.openai import ChatRenderer, CompletionRenderer
@@ -41,6 +41,10 @@ class ChatCompletions:
 
     def on_post(self, req, resp) -> None:
         st = self.state
+        with Admission(st) as adm:
+            self._start(req, resp, st, adm)
+
+    def _start(self, req, resp, st: ServeState, adm: Admission) -> None:
         creq, ti = begin(st, req, parse_chat)
         apply_template_defaults(creq, st.settings.default_chat_template_kwargs)
         prompt = render_chat(ti.tokenizer, creq, max_tokens=st.context_len)
@@ -60,7 +64,7 @@ class ChatCompletions:
         out = ChatOutput(ti, reasoning, tools, strip_special=creq.user_skip_special_tokens,
                          stream_reasoning=creq.stream_reasoning)
         counter = TokenCounter(len(prompt.ids), ti, count_reasoning=use_reasoning, forced=prompt.forced_reasoning)
-        sub = submit(st, [greq], lambda f: engine_field_to_openai(f, "messages"))
+        sub = submit(st, [greq], lambda f: engine_field_to_openai(f, "messages"), admission=adm, req=req)
         respond(req, resp, sub, ChatRenderer(st.model_name, ti, creq, out, counter), creq.stream)
 
 
@@ -70,9 +74,10 @@ class Completions:
 
     def on_post(self, req, resp) -> None:
         st = self.state
-        creq, ti = begin(st, req, parse_completion)
-        reqs, echo_texts = completion_to_engine_requests(creq, ti.tokenizer, st.context_len,
-                                                         st.engine.model_info.vocab_size)
-        sub = submit(st, reqs, lambda f: engine_field_to_openai(f, "prompt"))
+        with Admission(st) as adm:
+            creq, ti = begin(st, req, parse_completion)
+            reqs, echo_texts = completion_to_engine_requests(creq, ti.tokenizer, st.context_len,
+                                                             st.engine.model_info.vocab_size)
+            sub = submit(st, reqs, lambda f: engine_field_to_openai(f, "prompt"), admission=adm, req=req)
         renderer = CompletionRenderer(st.model_name, ti, creq, [len(r.prompt_token_ids) for r in reqs], echo_texts)
         respond(req, resp, sub, renderer, creq.stream)

@@ -9,6 +9,7 @@ request's `usage.prompt_tokens`.
 
 from __future__ import annotations
 
+from trnrt.serve.handlers.base import Admission
 from trnrt.serve.http.body import read_json
 from trnrt.serve.http.errors import bad_request
 from trnrt.serve.http.state import ServeState
@@ -54,8 +55,9 @@ class Tokenize:
 
     def on_post(self, req, resp) -> None:
         st = self.state
-        treq, ti = begin(st, req, parse_tokenize)
-        seqs = tokenize_ids(st, ti.tokenizer, treq)
+        with Admission(st):  # tokenization work counts against the HTTP layer's admission
+            treq, ti = begin(st, req, parse_tokenize)
+            seqs = tokenize_ids(st, ti.tokenizer, treq)
         strs = [list(ti.tokenizer.convert_ids_to_tokens(ids)) for ids in seqs] if treq.return_token_strs else None
         if treq.batch:
             resp.media = {"tokens": seqs, "count": [len(s) for s in seqs], "max_model_len": st.context_len,
@@ -75,14 +77,15 @@ class Detokenize:
     def on_post(self, req, resp) -> None:
         st = self.state
         vocab = st.engine.model_info.vocab_size
-        dreq, ti = begin(st, req, lambda body: parse_detokenize(body, vocab))
-        texts = []
-        for ids in dreq.sequences:
-            try:
-                texts.append(ti.tokenizer.decode(ids, skip_special_tokens=dreq.skip_special_tokens) if ids else "")
-            except (TypeError, ValueError, OverflowError) as e:
-                # The ids are in the model's vocabulary; one the tokenizer still cannot decode
-                # (a model vocabulary padded past the tokenizer's) is the input's fault, not a 500.
-                raise bad_request(f"tokens could not be decoded: {type(e).__name__}", "tokens")
+        with Admission(st):
+            dreq, ti = begin(st, req, lambda body: parse_detokenize(body, vocab))
+            texts = []
+            for ids in dreq.sequences:
+                try:
+                    texts.append(ti.tokenizer.decode(ids, skip_special_tokens=dreq.skip_special_tokens) if ids else "")
+                except (TypeError, ValueError, OverflowError) as e:
+                    # The ids are in the model's vocabulary; one the tokenizer still cannot decode
+                    # (a model vocabulary padded past the tokenizer's) is the input's fault, not a 500.
+                    raise bad_request(f"tokens could not be decoded: {type(e).__name__}", "tokens")
         text = texts if dreq.batch else texts[0]
         resp.media = {"text": text, "prompt": text}
