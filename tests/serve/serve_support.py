@@ -241,3 +241,30 @@ def assert_idle(server: Server, timeout_s: float = 5.0) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"engine not idle: {s}")
         time.sleep(0.02)
+
+
+def spawn_serve(tok_dir, *args: str):
+    """`trnrt serve --scripted --model TOK_DIR --port 0 ARGS` in a subprocess; waits for its ready
+    line. Returns (process, base URL). The caller kills the process in a `finally`."""
+    import os
+    import re
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trnrt", "serve", "--scripted", "--model", str(tok_dir), "--port", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url, lines = None, []
+    deadline = time.monotonic() + 30
+    while url is None and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"ready at (http://127\.0\.0\.1:\d+)", line)
+        url = m.group(1) if m else None
+    if url is None:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("trnrt serve did not become ready:\n" + "".join(lines))
+    return proc, url

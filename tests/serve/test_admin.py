@@ -19,7 +19,8 @@ from importlib import metadata
 
 import pytest
 
-from serve_support import SCRIPTS, assert_idle, counters, live, make_scripted_engine, start_server, stop_server
+from serve_support import (SCRIPTS, assert_idle, counters, live, make_scripted_engine, spawn_serve, start_server,
+                           stop_server)
 
 MODEL = "trnrt-tiny"
 FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. "
@@ -573,18 +574,11 @@ def test_server_still_serves_after_bad_input(srv):
 def test_cli_admin_api_key_and_reported_settings(tok_dir):
     """`trnrt serve --api-key K --admin-api-key A`: /server_info reports the launch options and the
     tokenizer directory but neither key; /flush_cache takes A, not K."""
-    import os
-    import re
     import signal
-    import subprocess
-    import sys
     import urllib.error
     import urllib.request
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trnrt", "serve", "--scripted", "--model", str(tok_dir), "--port", "0",
-         "--threads", "6", "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, url = spawn_serve(tok_dir, "--threads", "6", "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY)
 
     def get(url: str, key: str):
         req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
@@ -595,16 +589,6 @@ def test_cli_admin_api_key_and_reported_settings(tok_dir):
             return e.code, e.read().decode()
 
     try:
-        url, lines = None, []
-        deadline = time.monotonic() + 30
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"ready at (http://127\.0\.0\.1:\d+)", line)
-            url = m.group(1) if m else None
-        assert url, "".join(lines)
         status, text = get(url + "/server_info", API_KEY)
         assert status == 200, text
         assert API_KEY not in text and ADMIN_KEY not in text and "api_key" not in text

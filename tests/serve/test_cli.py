@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
 import subprocess
 import sys
@@ -13,6 +11,8 @@ import urllib.error
 import urllib.request
 
 import pytest
+
+from serve_support import spawn_serve
 
 
 def test_help_lists_sglang_flags():
@@ -73,22 +73,8 @@ def _post(url: str, body: dict) -> dict:
 def test_serve_ready_line_and_graceful_shutdown(tok_dir, sig):
     """The ready line carries the URL; on a signal, new requests get 503, the in-flight stream
     finishes whole (drain), and the process exits 0."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trnrt", "serve", "--scripted", "--model", str(tok_dir), "--port", "0",
-         "--served-model-name", "tiny", "--max-running-requests", "4", "--scripted-step-delay", "0.02"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, url = spawn_serve(tok_dir, "--served-model-name", "tiny", "--max-running-requests", "4", "--scripted-step-delay", "0.02")
     try:
-        url, lines = None, []
-        deadline = time.monotonic() + 30
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"ready at (http://127\.0\.0\.1:\d+)", line)
-            if m:
-                url = m.group(1)
-        assert url, "".join(lines)
         r = _post(url + "/v1/completions", {"model": "tiny", "prompt": "hello there", "max_tokens": 4})
         assert r["choices"][0]["finish_reason"] in ("stop", "length")
         # A stream in flight: 16 echo tokens at 20 ms per step.

@@ -4,18 +4,14 @@ waitress' own errors in the JSON envelope, and a second signal that cuts the dra
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 
-from serve_support import make_scripted_engine, start_server, stop_server
+from serve_support import make_scripted_engine, spawn_serve
 
 
 def _connect(port: int) -> socket.socket:
@@ -113,22 +109,8 @@ def test_lowercase_method_is_405_json(capped_server):
 def test_second_signal_aborts_in_flight_at_once(tok_dir):
     """The first SIGTERM starts a 30 s drain; a second one aborts the stream at once (it ends with
     an error event and [DONE]) and the process exits 0 within a few seconds."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trnrt", "serve", "--scripted", "--model", str(tok_dir), "--port", "0",
-         "--served-model-name", "tiny", "--scripted-step-delay", "0.05", "--drain-timeout", "30"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, url = spawn_serve(tok_dir, "--served-model-name", "tiny", "--scripted-step-delay", "0.05", "--drain-timeout", "30")
     try:
-        url, lines = None, []
-        deadline = time.monotonic() + 30
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"ready at (http://127\.0\.0\.1:\d+)", line)
-            if m:
-                url = m.group(1)
-        assert url, "".join(lines)
         body = json.dumps({"text": "SCRIPT:long " * 30, "stream": True,
                            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}).encode()
         stream = urllib.request.urlopen(urllib.request.Request(
