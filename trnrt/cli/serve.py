@@ -192,6 +192,7 @@ def serve(
     incremental_streaming_output: Annotated[bool, typer.Option("--incremental-streaming-output", help="/generate streams carry deltas instead of cumulative text (SGLang's flag).")] = False,
     allowed_origins: Annotated[Optional[str], typer.Option("--allowed-origins", help="Comma-separated browser origins allowed to call the server (default: none but its own; * for any).")] = None,
     allowed_hosts: Annotated[Optional[str], typer.Option("--allowed-hosts", help="Comma-separated Host names the server answers to (default: loopback and --host; any when bound to 0.0.0.0).")] = None,
+    trust_request_chat_template: Annotated[bool, typer.Option("--trust-request-chat-template", help="Render a chat request's own chat_template (vLLM's flag), in a sandbox bounded in time and memory; without it such a request is a 400. For trusted clients only.")] = False,
 ) -> None:
     """Serve the HTTP API; see docs/API.md for every route. The main families:
 
@@ -241,6 +242,7 @@ def serve(
         incremental_streaming_output=incremental_streaming_output,
         allowed_origins=_csv(allowed_origins), allowed_hosts=_csv(allowed_hosts) or None, bind_host=args.host,
         tokenizer_path=args.tokenizer_path, admin_api_key=admin_api_key or None,
+        trust_request_chat_template=trust_request_chat_template,
         # reported by /server_info; keys never are
         server_args={k: v for k, v in vars(args).items() if "api_key" not in k},
     )

@@ -43,6 +43,9 @@ class ServeSettings:
         passes its parsed options). Keys holding "api_key" are never reported.
     health_generate_timeout_s: how long /health_generate waits for the engine (SGLang's
         SGLANG_HEALTH_CHECK_TIMEOUT, 20 s) before it answers 503.
+    trust_request_chat_template: vLLM's --trust-request-chat-template. When set, a chat request's
+        own `chat_template` (top level or in chat_template_kwargs) is rendered in a bounded
+        sandbox (trnrt.serve.protocol.template_sandbox); otherwise it is a 400.
     """
 
     served_model_name: str | None = None
@@ -62,6 +65,7 @@ class ServeSettings:
     admin_api_key: str | None = None
     server_args: dict = field(default_factory=dict)
     health_generate_timeout_s: float = 20.0
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):

@@ -28,12 +28,23 @@ def apply_template_defaults(creq, defaults: dict) -> None:
     creq.enable_thinking = thinking is not False
 
 
-def render_chat(tokenizer, creq, *, add_generation_prompt: bool = True, max_tokens: int | None = None
-                ) -> RenderedPrompt:
+def render_chat(tokenizer, creq, *, add_generation_prompt: bool = True, max_tokens: int | None = None,
+                trust_request_template: bool = False) -> RenderedPrompt:
     """The prompt of a parsed ChatRequest (trnrt.serve.protocol.openai), or a 400 naming `messages`.
 
     `max_tokens`: refuse (without tokenizing) messages that cannot fit in that many tokens.
+    `trust_request_template` (ServeSettings.trust_request_chat_template): render the client's own
+    template (`creq.chat_template`) in the bounded sandbox of protocol.template_sandbox; without
+    it such a request is a 400 naming the field the template came in.
     """
+    client_template = getattr(creq, "chat_template", None)
+    template_param = getattr(creq, "chat_template_param", "chat_template_kwargs")
+    if client_template is not None and not trust_request_template:
+        # Refused before any work: a client's Jinja template runs on the server (vLLM refuses it the
+        # same way without --trust-request-chat-template).
+        where = "chat_template" if template_param == "chat_template" else "chat_template_kwargs.chat_template"
+        raise bad_request(f"{where} is refused: this server renders only its own chat template (start it with "
+                          "--trust-request-chat-template to allow client templates)", template_param)
     if max_tokens is not None:
         # The template only adds text: messages that alone cannot fit are refused before rendering.
         chars = sum(len(m.get("content") or "") + len(m.get("reasoning_content") or "") for m in creq.messages)
@@ -47,17 +58,45 @@ def render_chat(tokenizer, creq, *, add_generation_prompt: bool = True, max_toke
     # tool_choice "none": the tools are left out of the prompt too (vLLM's
     # --exclude-tools-when-tool-choice-none), so the model is not invited to call them.
     tools = creq.tools if creq.tool_choice != "none" else None
-    try:
-        text = tokenizer.apply_chat_template(creq.messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False, **kwargs)
-    except Exception as e:  # jinja2 TemplateError (raise_exception), TypeError from odd kwargs, ...
-        raise bad_request(f"messages could not be rendered by the chat template: {e}", "messages")
+    if client_template is not None:
+        text = _render_client(tokenizer, creq, client_template, template_param, tools, add_generation_prompt,
+                              kwargs, max_tokens)
+    else:
+        try:
+            text = tokenizer.apply_chat_template(creq.messages, tools=tools,
+                                                 add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
+        except Exception as e:  # jinja2 TemplateError (raise_exception), TypeError from odd kwargs, ...
+            raise bad_request(f"messages could not be rendered by the chat template: {e}", "messages")
     if not isinstance(text, str):
         raise bad_request("the chat template did not render a string", "messages")
     ids = encode_text(tokenizer, text, "messages", add_special_tokens=False, max_tokens=max_tokens)
     if not ids:
         raise bad_request("messages rendered to an empty prompt", "messages")
     return RenderedPrompt(text, ids, text.rstrip().endswith("<think>"))
+
+
+def _render_client(tokenizer, creq, source: str, param: str, tools, add_generation_prompt: bool, kwargs: dict,
+                   max_tokens: int | None) -> str:
+    """A client template rendered in the sandbox with HF's variables; any failure is a 400 naming
+    the field the template came in (the template is what the client got wrong)."""
+    from trnrt.serve.http.errors import safe
+    from trnrt.serve.protocol.template_sandbox import (Limits, TemplateLimitError, render_client_template,
+                                                       template_variables)
+
+    limits = Limits()
+    if max_tokens is not None:
+        # No text longer than this can fit the context (the lower bound of encode_text): stop there.
+        limits = Limits(max_output_chars=min(limits.max_output_chars, max_tokens * max_token_chars(tokenizer)))
+    where = "chat_template" if param == "chat_template" else "chat_template_kwargs.chat_template"
+    try:
+        return render_client_template(source, template_variables(tokenizer, creq.messages, tools,
+                                                                 add_generation_prompt, kwargs), limits)
+    except TemplateLimitError as e:
+        raise bad_request(f"{where} was stopped: {e}", param)
+    except RecursionError:
+        raise bad_request(f"{where} could not be rendered: it nests or recurses too deeply", param)
+    except Exception as e:  # syntax errors, raise_exception, undefined names, TypeError, MemoryError, ...
+        raise bad_request(f"{where} could not be rendered: {type(e).__name__}: {safe(str(e))[:300]}", param)
 
 
 _MAX_TOKEN_CHARS: dict[int, tuple[object, int]] = {}

@@ -39,7 +39,7 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "return_hidden_states", "parallel_tool_calls", "priority", "prompt_logprobs", "lora_path",
     "custom_logit_processor", "custom_params", "thinking_token_budget", "continue_final_message",
     "spaces_between_special_tokens", "modalities", "audio", "functions", "function_call", "prediction",
-    "web_search_options", "verbosity",
+    "web_search_options", "verbosity", "chat_template",
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | {
     "prompt", "echo", "logprobs", "n", "best_of", "suffix", "frequency_penalty", "presence_penalty",
@@ -85,6 +85,9 @@ class ChatRequest(CommonRequest):
     stream_reasoning: bool = True
     want_logprobs: bool = False
     user_skip_special_tokens: bool = True
+    # The client's own template (None: the server's) and the field it came in, for errors.
+    chat_template: str | None = None
+    chat_template_param: str = "chat_template_kwargs"
 
 
 @dataclass
@@ -169,11 +172,21 @@ def parse_chat(body: dict) -> ChatRequest:
     for reserved in ("messages", "tools", "add_generation_prompt", "tokenize", "conversation"):
         if reserved in kwargs:
             raise bad_request(f"chat_template_kwargs.{reserved} is set by the server", "chat_template_kwargs")
-    if "chat_template" in kwargs:
-        # A client's own Jinja template runs on the server (one 132-byte template rendered 11.7 GB):
-        # refused, as vLLM refuses it without --trust-request-chat-template.
-        raise bad_request("chat_template_kwargs.chat_template is refused: this server renders only its own chat "
-                          "template", "chat_template_kwargs")
+    # A client's own Jinja template (vLLM's top-level `chat_template`, or the kwarg) runs on the
+    # server: render_chat refuses it unless the server trusts request templates, and then renders it
+    # in a bounded sandbox (one 132-byte template once rendered 11.7 GB). Only its type is read here.
+    client_template, template_param = _str(body, "chat_template", None), "chat_template"
+    kw_template = kwargs.pop("chat_template", None)  # null: absent, as at the top level
+    if kw_template is not None:
+        if client_template is not None:
+            raise bad_request("give chat_template once: at the top level or in chat_template_kwargs, not both",
+                              "chat_template")
+        if not isinstance(kw_template, str):
+            raise bad_request("chat_template_kwargs.chat_template must be a string", "chat_template_kwargs")
+        client_template, template_param = kw_template, "chat_template_kwargs"
+    if client_template is not None and not client_template:
+        where = "chat_template" if template_param == "chat_template" else "chat_template_kwargs.chat_template"
+        raise bad_request(f"{where} must not be empty", template_param)
     effort = _str(body, "reasoning_effort", None)
     if effort is not None:
         if effort not in REASONING_EFFORTS:
@@ -196,6 +209,7 @@ def parse_chat(body: dict) -> ChatRequest:
         stream_reasoning=_bool(body, "stream_reasoning", True),
         want_logprobs=logprobs,
         user_skip_special_tokens=common.params.skip_special_tokens,
+        chat_template=client_template, chat_template_param=template_param,
     )
 
 
