@@ -119,7 +119,8 @@ def to_serving_names(raw: dict[str, torch.Tensor], cfg: Glm5NextConfig) -> dict[
                 t = t.reshape(-1)  # release A_log may carry singleton dims
         out[name] = t
     if skipped_vision:
-        log.info("glm5_next: skipped %d vision-tower tensors", skipped_vision)
+        # Every GLM-5.x release carries its vision tower: routine, not news at every start.
+        log.debug("glm5_next: skipped %d vision-tower tensors", skipped_vision)
     if skipped_mtp:
         log.info("glm5_next: skipped %d MTP-layer tensors (layers.%d.* / shared_head)", skipped_mtp, n)
 

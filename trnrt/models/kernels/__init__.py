@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -59,10 +60,19 @@ def load() -> bool:
             bindir = str(Path(sys.executable).parent)
             if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+            name = f"trnrt_cpu_ops_{key}"
+            # The first start on a machine compiles for ~15 s with nothing else to show: say so, once.
+            # Later starts find the library and load it in milliseconds, silently.
+            building = not (bdir / f"{name}.so").exists()
+            if building:
+                log.info("building trnrt's CPU kernels (once, ~15 s) in %s ...", bdir)
+            t0 = time.monotonic()
             cpp_extension.load(
-                name=f"trnrt_cpu_ops_{key}", sources=[str(SOURCE)], build_directory=str(bdir),
+                name=name, sources=[str(SOURCE)], build_directory=str(bdir),
                 extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp-simd"], is_python_module=False, verbose=False,
             )
+            if building:
+                log.info("built trnrt's CPU kernels in %.1f s", time.monotonic() - t0)
             _state.update(ok=True, error="")
         except Exception as e:  # no compiler, no ninja, build error: the PyTorch path still works
             msg = f"{type(e).__name__}: {e}".strip()
