@@ -1022,3 +1022,27 @@ def test_trusted_server_answers_a_bad_client_template_with_a_400(trusted_server,
     assert data["error"]["param"] in ("chat_template", "messages"), data
     assert says in data["error"]["message"], data
     serves_and_is_idle(trusted_server)
+
+
+def test_cli_flag_reaches_the_settings(monkeypatch, tok_dir):
+    """`trnrt serve --trust-request-chat-template` sets ServeSettings.trust_request_chat_template (off
+    without it)."""
+    from typer.testing import CliRunner
+
+    import trnrt.serve.server as server_mod
+    from trnrt.cli import app
+
+    seen = {}
+
+    def fake_run(wsgi, engine, **kw):
+        seen["settings"] = wsgi.serve_state.settings
+        engine.shutdown(0.0)
+        return 0
+
+    monkeypatch.setattr(server_mod, "run", fake_run)
+    for args, want in ((["--trust-request-chat-template"], True), ([], False)):
+        r = CliRunner().invoke(app, ["serve", "--scripted", "--model", str(tok_dir), "--port", "0", *args])
+        assert r.exit_code == 0, r.output
+        assert seen["settings"].trust_request_chat_template is want
+    help_text = CliRunner().invoke(app, ["serve", "--help"], terminal_width=200, env={"COLUMNS": "200"}).output
+    assert "--trust-request-chat-template" in help_text
