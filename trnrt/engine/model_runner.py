@@ -94,7 +94,9 @@ class ModelRunner:
         c["start_pos"][:n] = [r.start_pos for r in rows]
         c["num_new"][:n] = [len(r.token_ids) for r in rows]
         c["slot_ids"][:n] = [r.slot_id for r in rows]
-        c["temperature"][:n] = [r.temperature for r in rows]
+        # float32 inputs: a finite temperature past float32's range (1e300 is valid JSON) would cast
+        # to inf; 1e30 samples the same (uniformly) without the overflow.
+        c["temperature"][:n] = [min(r.temperature, 1e30) for r in rows]
         c["top_p"][:n] = [r.top_p for r in rows]
         c["top_k"][:n] = [min(r.top_k, vocab) if r.top_k > 0 else vocab for r in rows]
         c["min_p"][:n] = [r.min_p for r in rows]

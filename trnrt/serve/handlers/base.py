@@ -160,7 +160,7 @@ def respond(req, resp, sub: Submitted, renderer: Renderer, stream: bool) -> None
     gone = client_gone(req)
     if stream:
         sse_headers(resp)
-        resp.stream = sse.StreamBody(_sse_body(sub, renderer, gone), sub.close)
+        resp.stream = sse.StreamBody(_sse_body(sub, renderer, gone, req.path), sub.close)
         return
     try:
         resp.media = renderer.collect(sub.outputs(gone))
@@ -170,7 +170,7 @@ def respond(req, resp, sub: Submitted, renderer: Renderer, stream: bool) -> None
         sub.close()
 
 
-def _sse_body(sub: Submitted, renderer: Renderer, gone) -> Iterator[bytes]:
+def _sse_body(sub: Submitted, renderer: Renderer, gone, route: str = "-") -> Iterator[bytes]:
     try:
         yield from renderer.sse(sub.outputs(gone))
     except sse.ClientGone:
@@ -178,7 +178,7 @@ def _sse_body(sub: Submitted, renderer: Renderer, gone) -> Iterator[bytes]:
     except APIError as e:  # after the headers the status cannot change: report in-band
         yield from renderer.error_event(e)
     except Exception as e:
-        log.exception("stream of %s failed", sub.reqs[0].request_id if sub.reqs else "-")
+        log.exception("stream of %s on %s failed", sub.reqs[0].request_id if sub.reqs else "-", route)
         yield from renderer.error_event(APIError(500, f"Internal server error: {type(e).__name__}",
                                                  type_="internal_error"))
     finally:

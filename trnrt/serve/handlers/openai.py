@@ -47,7 +47,8 @@ class ChatCompletions:
     def _start(self, req, resp, st: ServeState, adm: Admission) -> None:
         creq, ti = begin(st, req, parse_chat)
         apply_template_defaults(creq, st.settings.default_chat_template_kwargs)
-        prompt = render_chat(ti.tokenizer, creq, max_tokens=st.context_len)
+        prompt = render_chat(ti.tokenizer, creq, max_tokens=st.context_len,
+                             trust_request_template=st.settings.trust_request_chat_template)
 
         use_tools = bool(creq.tools) and creq.tool_choice != "none" and st.settings.tool_call_parser is not None
         use_reasoning = (st.settings.reasoning_parser is not None and ti.has_think and creq.enable_thinking

@@ -38,7 +38,8 @@ def tokenize_ids(st: ServeState, tokenizer, treq: TokenizeRequest) -> list[list[
     creq = treq.chat
     # Exactly ChatCompletions' steps, so the ids are the ones the engine would receive.
     apply_template_defaults(creq, st.settings.default_chat_template_kwargs)
-    rendered = render_chat(tokenizer, creq, add_generation_prompt=treq.add_generation_prompt)
+    rendered = render_chat(tokenizer, creq, add_generation_prompt=treq.add_generation_prompt,
+                           trust_request_template=st.settings.trust_request_chat_template)
     if not treq.add_special_tokens:
         return [rendered.ids]
     # vLLM's chat form with add_special_tokens true: the rendered text encoded with the

@@ -23,6 +23,7 @@ from trnrt.serve.protocol.sampling import OPENAI, check_sampling, read_sampling
 log = logging.getLogger("trnrt.serve")
 
 MAX_TOP_LOGPROBS = SamplingParams.MAX_TOP_LOGPROBS
+MAX_PROMPTS = 1024  # prompts per /v1/completions body (as /generate's batch limit)
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -336,6 +337,8 @@ def parse_completion(body: dict) -> CompletionRequest:
     else:
         raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
                           "lists of token ids (none empty)", "prompt")
+    if len(prompts) > MAX_PROMPTS:  # bounds the engine requests one body can queue
+        raise bad_request(f"prompt holds at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
     for p in prompts:
         if isinstance(p, str) and not p:
             raise bad_request("prompt must not be empty", "prompt")
