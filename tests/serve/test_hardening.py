@@ -240,3 +240,9 @@ def test_tokenization_counts_against_admission(tokenizer_factory):
     finally:
         engine.runner.paused.clear()
         stop_server(srv)
+
+
+def test_completion_prompt_list_is_bounded(scripted_server):
+    """One body cannot queue more than 1024 engine requests (20,000 prompts once took 9 s)."""
+    status, data, _ = scripted_server.raw("POST", COMP, {"model": MODEL, "prompt": ["a"] * 1025, "max_tokens": 1})
+    assert status == 400 and data["error"]["param"] == "prompt", data
