@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # SGLang's own tools against `trnrt serve` (see docs/SGLANG_TOOLS.md).
 #
-# Usage: scripts/sglang_compat.sh [SGLANG_VENV]      (default: /work/sglang-venv)
+# Usage: scripts/sglang_compat.sh [SGLANG_VENV]      (default: ../sglang-venv, from the current directory)
 #
 # SGLANG_VENV is a virtualenv outside this repository that holds sglang==0.5.23 (installed with
 # --no-deps over a CPU torch) and sglang-router==0.3.2; docs/SGLANG_TOOLS.md ("Recipes") says how
@@ -28,7 +28,7 @@
 # INPUT_LEN (64), OUTPUT_LEN (32), KEEP_WORKDIR=1 keeps the work directory even on success.
 set -euo pipefail
 
-SGLANG_VENV=${1:-/work/sglang-venv}
+SGLANG_VENV=${1:-../sglang-venv}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 TRNRT_VENV=${TRNRT_VENV:-$REPO/.venv}
 NUM_PROMPTS=${NUM_PROMPTS:-32}
