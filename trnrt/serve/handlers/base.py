@@ -118,31 +118,22 @@ def submit(st: ServeState, reqs: list[GenerateRequest], field_name: Callable[[st
     (`field_name` maps engine names). With `admission` the slot taken before parsing is handed to
     the result; without, one is taken here (503 when the HTTP layer is full). With `req`, a
     client that left while its prompt was tokenized is not submitted at all."""
-    if admission is None:
+    own = admission is None
+    if own:
         admission = Admission(st)
-        own = True
-    else:
-        own = False
     try:
         if req is not None and client_gone(req)():
             raise bad_request("client closed the request")  # nobody reads it; nothing to run
         streams = st.engine.submit_many(reqs)
-    except InvalidRequestError as e:
+    except BaseException as e:
         if own:
             admission.release()
-        raise err(str(e), field_name(e.field))
-    except APIError:
-        if own:
-            admission.release()
-        raise
-    except Exception as e:  # engine stopped or broken: not the client's fault, not a 500 either
-        if own:
-            admission.release()
-        log.warning("engine refused request %s: %s", reqs[0].request_id if reqs else "-", e)
-        raise unavailable(f"The engine cannot accept requests: {e}")
-    except BaseException:
-        if own:
-            admission.release()
+        if isinstance(e, InvalidRequestError):
+            raise err(str(e), field_name(e.field))
+        if isinstance(e, Exception) and not isinstance(e, APIError):
+            # engine stopped or broken: not the client's fault, not a 500 either
+            log.warning("engine refused request %s: %s", reqs[0].request_id if reqs else "-", e)
+            raise unavailable(f"The engine cannot accept requests: {e}")
         raise
     admission.transferred = True
     return Submitted(st, reqs, list(streams), admission)

@@ -181,20 +181,17 @@ class ServeState:
         """Wait until no request is inside a handler (shutdown: a request still tokenizing when
         the signal came must get its 503 before the process exits). Streams leave their handler
         when the body starts; they are counted by admission (wait_idle)."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while self._http:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+        return self._wait_zero(lambda: self._http, timeout_s)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no generation request is in flight (graceful shutdown)."""
+        return self._wait_zero(lambda: self._active, timeout_s)
+
+    def _wait_zero(self, count, timeout_s: float) -> bool:
+        """Wait (up to timeout_s) until `count()`, read under the lock, is 0."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._active:
+            while count():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
