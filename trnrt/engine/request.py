@@ -131,6 +131,10 @@ class GenerateRequest:
     # Outputs per delivery for a streamed request (SGLang's sampling_params.stream_interval);
     # None: the engine's --stream-interval.
     stream_interval: int | None = None
+    # Scheduling priority (SGLang's `priority`; larger is preferred unless the server runs with
+    # --schedule-low-priority-values-first). None: the server's default. Read only under priority
+    # scheduling, and by the `priority` eviction policy.
+    priority: int | None = None
 
 
 def check_context_length(

@@ -43,6 +43,21 @@ class SchedulerConfig:
     chunked_prefill: split prompts over steps; when False a prompt is admitted only whole.
     decode_first: running decodes take the budget before in-progress prefill chunks (ITL over TTFT).
     max_prefill_chunk_tokens: cap on one prefill chunk (e.g. the runner's largest prefill bucket).
+
+    Policies (SGLang 0.5.23's flags and semantics, ../docs/CONFIGURATION.md):
+    schedule_policy: fcfs | lpm | dfs-weight | lof | random (cache-aware ones fall back to fcfs
+        without the prefix cache or over 128 waiting requests).
+    enable_priority_scheduling: order and preempt by GenerateRequest.priority (fcfs or lof only).
+    schedule_low_priority_values_first: smaller priority values are preferred (default: larger).
+    priority_preemption_threshold: a waiting request preempts a running one only when better by
+        more than this; disable_priority_preemption turns preemption by priority off.
+    default_priority_value: the priority of a request without one (None: the least preferred).
+    abort_on_priority_when_disabled: a request carrying a priority is refused (503) when priority
+        scheduling is off (default: the field is ignored).
+    max_queued_requests: most requests waiting at once (None: unlimited); past it, 503
+        "The request queue is full." (or, with priority scheduling, the worst waiting one is
+        displaced by a better arrival).
+    random_seed: seed of the `random` policy's shuffles (tests).
     """
 
     max_num_seqs: int = 8
@@ -51,6 +66,15 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     decode_first: bool = True
     max_prefill_chunk_tokens: int | None = None
+    schedule_policy: str = "fcfs"
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_preemption_threshold: int = 10
+    disable_priority_preemption: bool = False
+    default_priority_value: int | None = None
+    abort_on_priority_when_disabled: bool = False
+    max_queued_requests: int | None = None
+    random_seed: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

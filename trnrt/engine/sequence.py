@@ -58,6 +58,12 @@ class Sequence:
     first_token_time_s: float | None = None
     finished_time_s: float | None = None
     arrival_index: int = field(default_factory=lambda: next(_arrival_counter))
+    priority: int | None = None  # GenerateRequest.priority
+    # Prefix cache: prompt tokens served from the cache at the first admission (reported as
+    # cached_tokens), split by tier; and the radix node this sequence holds a lock on.
+    num_cached_tokens: int = 0
+    num_cached_tokens_host: int = 0
+    cache_node: object | None = None
 
     # -- sizes -------------------------------------------------------------------------------
 
