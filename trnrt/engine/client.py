@@ -71,7 +71,14 @@ class EngineLoad:
     max_running_requests: the scheduler's max_num_seqs.
     token_usage: num_used_tokens / max_total_num_tokens.
     gen_throughput: output tokens per second over the last minute (the stats collector's window).
-    cache_hit_rate: prefix-cache hit rate (0.0: there is no prefix cache yet).
+    cache_hit_rate: prefix-cache hit rate: cached prompt tokens / prompt tokens admitted since
+        start (0.0 with the cache off).
+    prefix_cache: the radix cache is on.
+    num_cached_pages: device pages held by the radix cache (shared with running requests or not).
+    num_evictable_pages: of those, pages no running request uses (freed on demand).
+    num_used_checkpoints / num_total_checkpoints: the device state-checkpoint pool.
+    num_host_used_pages / num_host_total_pages, num_host_used_checkpoints /
+        num_host_total_checkpoints: the host tier (hierarchical cache; 0 when off).
     """
 
     num_running_reqs: int = 0
@@ -90,6 +97,15 @@ class EngineLoad:
     num_used_slots: int = 0
     num_total_slots: int = 0
     page_size: int = 0
+    prefix_cache: bool = False
+    num_cached_pages: int = 0
+    num_evictable_pages: int = 0
+    num_used_checkpoints: int = 0
+    num_total_checkpoints: int = 0
+    num_host_used_pages: int = 0
+    num_host_total_pages: int = 0
+    num_host_used_checkpoints: int = 0
+    num_host_total_checkpoints: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -42,7 +42,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (both tiers)
+    num_cached_tokens_host: int = 0  # of those, tokens brought back from the host tier
     error: str | None = None
 
 
