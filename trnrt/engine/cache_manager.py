@@ -38,6 +38,67 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class IdPool:
+    """A free list of integer ids 0..size-1 (state checkpoints, host pages, host checkpoints).
+
+    Unlike pages, these are never shared: each id has one owner (the prefix cache, or a snapshot in
+    flight), so there are no reference counts.
+    """
+
+    def __init__(self, size: int, name: str = "id"):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"{name} pool size must be an integer >= 0, got {size!r}")
+        self.size = size
+        self.name = name
+        self._free: deque[int] = deque(range(size))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def allocate(self, n: int = 1) -> list[int] | None:
+        """n ids, or None (nothing taken) if fewer are free."""
+        if n > len(self._free):
+            return None
+        ids = [self._free.popleft() for _ in range(n)]
+        self._used.update(ids)
+        return ids
+
+    def free(self, ids: Iterable[int]) -> None:
+        for i in ids:
+            if i not in self._used:
+                raise CacheIntegrityError(f"{self.name} {i}: freed but not in use")
+            self._used.remove(i)
+            self._free.append(i)
+
+    def used_ids(self) -> set[int]:
+        return set(self._used)
+
+    def reset(self) -> None:
+        self._free = deque(range(self.size))
+        self._used = set()
+
+    def check_integrity(self, owned: Iterable[int] | None = None) -> None:
+        """Free + used partition the ids; with `owned` (every id some owner holds, with repeats)
+        the used set equals it exactly, each id once."""
+        free = set(self._free)
+        if len(free) != len(self._free) or free & self._used or len(free) + len(self._used) != self.size:
+            raise CacheIntegrityError(f"{self.name} pool: free/used lists inconsistent")
+        if owned is None:
+            return
+        owned = list(owned)
+        if len(owned) != len(set(owned)):
+            raise CacheIntegrityError(f"{self.name} pool: an id has two owners: {sorted(owned)}")
+        if set(owned) != self._used:
+            raise CacheIntegrityError(
+                f"{self.name} pool: used {sorted(self._used)} but owned {sorted(owned)} (leak or double use)")
+
+
 class CacheManager:
     """Allocates pages (blocks) and slots to sequences.
 
@@ -169,6 +230,37 @@ class CacheManager:
             self._ref_counts[b] += 1
         seq.block_ids.extend(block_ids)
 
+    def allocate_raw(self, n: int) -> list[int]:
+        """n pages owned by the caller (the prefix cache), each with one reference, or raise."""
+        if n > len(self._free_blocks):
+            raise NoFreeBlocksError(f"need {n} pages, {self.num_free_blocks} free")
+        new = [self._free_blocks.popleft() for _ in range(n)]
+        for b in new:
+            self._ref_counts[b] = 1
+        return new
+
+    def retain(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference on allocated pages (the prefix cache adopting a sequence's pages)."""
+        block_ids = list(block_ids)
+        for b in block_ids:
+            if not (0 < b < self.num_blocks) or self._ref_counts[b] <= 0:
+                raise CacheIntegrityError(f"cannot retain block {b}: not allocated")
+        for b in block_ids:
+            self._ref_counts[b] += 1
+
+    def release(self, block_ids: Iterable[int]) -> int:
+        """Drop one reference on each page (the prefix cache evicting). Returns pages freed."""
+        freed = 0
+        for b in block_ids:
+            rc = self._ref_counts[b]
+            if rc <= 0:
+                raise CacheIntegrityError(f"double release of block {b}")
+            self._ref_counts[b] = rc - 1
+            if rc == 1:
+                self._free_blocks.append(b)
+                freed += 1
+        return freed
+
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references on its pages and release its slot. Idempotent."""
         # Reverse order: the tail pages (least likely to be shared) go back first, and a later
@@ -204,13 +296,15 @@ class CacheManager:
 
     # -- checks ------------------------------------------------------------------------------
 
-    def check_integrity(self, live_seqs: Iterable[Sequence] | None = None) -> None:
+    def check_integrity(self, live_seqs: Iterable[Sequence] | None = None,
+                        extra_refs: Iterable[int] = ()) -> None:
         """Raise CacheIntegrityError unless the allocator's books balance.
 
         Always checked: scratch block/slot never free nor used, no duplicate in a free list,
         free + used == usable, a page is free iff its ref count is 0. With `live_seqs` (every
         sequence that holds resources) also: each page's ref count equals the number of block
-        tables that hold it, and each used slot belongs to exactly one of them.
+        tables that hold it (plus its count in `extra_refs`: the prefix cache's pages), and each
+        used slot belongs to exactly one of them.
         """
         def fail(msg: str) -> None:
             raise CacheIntegrityError(msg)
@@ -238,6 +332,8 @@ class CacheManager:
         if live_seqs is None:
             return
         counts = [0] * self.num_blocks
+        for b in extra_refs:
+            counts[b] += 1
         owners: dict[int, str] = {}
         for seq in live_seqs:
             for b in seq.block_ids:
@@ -250,6 +346,6 @@ class CacheManager:
                 owners[seq.slot_id] = seq.request_id
         for b in range(1, self.num_blocks):
             if counts[b] != self._ref_counts[b]:
-                fail(f"block {b}: ref count {self._ref_counts[b]} but held by {counts[b]} block tables")
+                fail(f"block {b}: ref count {self._ref_counts[b]} but held {counts[b]} times (block tables + prefix cache)")
         if owners != self._slot_owner:
             fail(f"slot owners {self._slot_owner} differ from the live sequences' slots {owners}")

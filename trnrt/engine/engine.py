@@ -46,7 +46,8 @@ from trnrt.engine.sequence import SequenceStatus
 from trnrt.engine.stop import StopChecker, is_token_stop
 from trnrt.engine.stream import OutputStream
 
-if TYPE_CHECKING:  # the model runner imports torch; the engine itself need not (scripted runs)
+if TYPE_CHECKING:
+    from trnrt.engine.cache_config import PrefixCacheConfig  # the model runner imports torch; the engine itself need not (scripted runs)
     from trnrt.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,13 @@ def resolve_configs(
     return ecfg, scfg
 
 
+def _default_checkpoint_interval(ecfg: EngineConfig) -> int:
+    """Checkpoints every largest prefill chunk (at least 64 tokens), rounded up to a page: prefill
+    chunks are cut there, so at the largest chunk size the cut costs no extra graph call."""
+    bs = ecfg.block_size
+    return -(-max(64, ecfg.max_prefill_tokens) // bs) * bs
+
+
 class _TokenRate:
     """Output tokens per second over the last `window_s` seconds, in 1 s buckets. The engine
     thread adds, any thread reads. (Reading the stats collector's windows instead would build its
@@ -202,7 +210,7 @@ class Engine:
 
     def __init__(self, runner: "ModelRunner", tokenizer, model_info: ModelInfo, engine_config: EngineConfig,
                  scheduler_config: SchedulerConfig, *, start: bool = True, stream_interval: int = 1,
-                 submit_log_size: int = 0):
+                 submit_log_size: int = 0, prefix_cache_config: "PrefixCacheConfig | None" = None):
         from trnrt.stats import StatsCollector  # pure Python
 
         if not isinstance(stream_interval, int) or isinstance(stream_interval, bool) or stream_interval < 1:
@@ -216,7 +224,10 @@ class Engine:
         self.engine_config = engine_config
         self.scheduler_config = scheduler_config
         self.cache = CacheManager(engine_config.num_blocks, engine_config.block_size, engine_config.num_slots)
-        self.scheduler = Scheduler(scheduler_config, self.cache, eos_token_ids=model_info.eos_token_ids)
+        self.prefix_cache_config = prefix_cache_config
+        self.prefix_cache, interval = self._build_prefix_cache(prefix_cache_config)
+        self.scheduler = Scheduler(scheduler_config, self.cache, eos_token_ids=model_info.eos_token_ids,
+                                   prefix_cache=self.prefix_cache, checkpoint_interval=interval)
         self.stats_collector = StatsCollector()
         self.stats_collector.set_engine_info(
             model_info.model_path, preset=model_info.preset, backend=model_info.backend,
@@ -246,6 +257,44 @@ class Engine:
         if start:
             self.thread.start()
 
+    def _build_prefix_cache(self, pcc):
+        """The RadixCache, its pools and the runner's state copies for `pcc` (None / disabled:
+        no cache). Returns (cache or None, checkpoint interval)."""
+        if pcc is None or not pcc.enabled:
+            return None, 0
+        from trnrt.engine.cache_manager import IdPool
+        from trnrt.engine.radix_cache import RadixCache
+        try:
+            from trnrt.engine.eviction_policy import make_eviction_strategy
+        except ImportError:  # TODO(prefix-cache): the policies land in a parallel change
+            make_eviction_strategy = lambda name, config: None  # noqa: E731
+
+        ecfg = self.engine_config
+        interval = pcc.resolved_interval(ecfg.block_size) if pcc.checkpoint_interval else \
+            _default_checkpoint_interval(ecfg)
+        n_ckpt = pcc.num_checkpoints or 4 * (ecfg.num_slots - 1)
+        host_pages = host_ckpts = None
+        if pcc.hierarchical:
+            n_dev = ecfg.num_blocks - 1
+            if pcc.hicache_size_mb:
+                per_page = getattr(self.runner, "page_nbytes", lambda: 0)() or 1
+                n_host = max(1, pcc.hicache_size_mb * (1 << 20) // per_page)
+            else:
+                n_host = max(1, int(n_dev * pcc.hicache_ratio))
+            host_pages = IdPool(n_host, "host page")
+            host_ckpts = IdPool(max(1, int(n_ckpt * pcc.hicache_ratio)), "host checkpoint")
+        ckpts = IdPool(n_ckpt, "checkpoint")
+        alloc = getattr(self.runner, "allocate_cache_tiers", None)
+        if alloc is not None:
+            alloc(n_ckpt, host_pages.size if host_pages else 0, host_ckpts.size if host_ckpts else 0)
+        strategy = make_eviction_strategy(pcc.eviction_policy, pcc.eviction_policy_config)
+        tree = RadixCache(self.cache, ckpts, host_pages=host_pages, host_checkpoints=host_ckpts,
+                          strategy=strategy, write_policy=pcc.write_policy)
+        log.info("prefix cache: checkpoints every %d tokens, %d device checkpoints%s, eviction %s",
+                 interval, n_ckpt, f", host tier {host_pages.size} pages ({pcc.write_policy})" if host_pages else "",
+                 pcc.eviction_policy)
+        return tree, interval
+
     # -- construction --------------------------------------------------------------------------
 
     @classmethod
@@ -264,6 +313,7 @@ class Engine:
         context_length: int | None = None,
         start: bool = True,
         stream_interval: int = 1,
+        prefix_cache_config: "PrefixCacheConfig | None" = None,
     ) -> "Engine":
         """Load the checkpoint (None: the embedded tiny model) and start the engine thread.
 
@@ -314,7 +364,8 @@ class Engine:
             backend=compiled_backend if compiled else "eager",
             compiled=bool(compiled),
         )
-        engine = cls(runner, tokenizer, info, ecfg, scfg, start=start, stream_interval=stream_interval)
+        engine = cls(runner, tokenizer, info, ecfg, scfg, start=start, stream_interval=stream_interval,
+                     prefix_cache_config=prefix_cache_config)
         engine.startup_time_s = time.monotonic() - t0
         return engine
 
@@ -335,6 +386,8 @@ class Engine:
         eos_token_ids: tuple[int, ...] | None = None,
         submit_log_size: int = 256,
         start: bool = True,
+        prefix_cache_config: "PrefixCacheConfig | None" = None,
+        scheduler_config: SchedulerConfig | None = None,
     ) -> "Engine":
         """An Engine whose runner replays `script(prompt_ids)` (trnrt.engine.scripted_runner)
         instead of running a model: everything else (scheduler, stop checks, detokenizer, streams,
@@ -352,7 +405,7 @@ class Engine:
 
         t0 = time.monotonic()
         ecfg, scfg = resolve_configs(None, preset="default", max_running_requests=max_running_requests,
-                                     context_length=max_model_len)
+                                     context_length=max_model_len, scheduler_config=scheduler_config)
         if num_blocks is not None:
             ecfg = ecfg.replace(num_blocks=num_blocks)
         if max_num_batched_tokens is not None:
@@ -366,12 +419,12 @@ class Engine:
         # a transformers tokenizer has len(); a bare `tokenizers.Tokenizer` (pure tests) has get_vocab_size()
         vocab_size = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.get_vocab_size()
         runner = ScriptedRunner(script, eos_token_id=eos_token_ids[0], vocab_size=vocab_size,
-                                step_delay_s=step_delay_s)
+                                step_delay_s=step_delay_s, block_size=ecfg.block_size)
         info = ModelInfo(model_path=str(model_path), served_model_name=served_model_name, vocab_size=vocab_size,
                          max_model_len=scfg.max_model_len, eos_token_ids=eos_token_ids, preset=ecfg.preset,
                          backend="scripted", compiled=False)
         engine = cls(runner, tokenizer, info, ecfg, scfg, start=start, stream_interval=stream_interval,
-                     submit_log_size=submit_log_size)
+                     submit_log_size=submit_log_size, prefix_cache_config=prefix_cache_config)
         engine.startup_time_s = time.monotonic() - t0
         return engine
 
@@ -505,7 +558,18 @@ class Engine:
             "startup_time": self.startup_time_s,
             "engine_config": ecfg_d,
             "scheduler_config": {f.name: _jsonable(getattr(scfg, f.name)) for f in dataclasses.fields(scfg)},
+            "disable_radix_cache": self.prefix_cache is None,
+            "prefix_cache": self._prefix_cache_info(),
         }
+
+    def _prefix_cache_info(self) -> dict | None:
+        pcc = self.prefix_cache_config
+        if self.prefix_cache is None or pcc is None:
+            return None
+        d = {f.name: _jsonable(getattr(pcc, f.name)) for f in dataclasses.fields(pcc)}
+        d["checkpoint_interval"] = self.scheduler.checkpoint_interval
+        d["num_checkpoints"] = self.prefix_cache.checkpoints.size
+        return d
 
     def is_idle(self) -> bool:
         """Nothing queued, running, or submitted and not yet taken from the inbox."""
@@ -767,6 +831,7 @@ class Engine:
         per-request state; the prefix cache joins here). Cumulative stats counters are not reset:
         Prometheus counters only go up."""
         try:
+            self.scheduler.flush_prefix_cache()
             self.cache.reset()
         except CacheIntegrityError:  # a page or slot still held at idle: a leak, not a cache
             log.exception("cache flush refused: the allocator's books do not balance at idle")
@@ -785,6 +850,8 @@ class Engine:
         sched_out = self.scheduler.schedule()
         self.num_steps += 1
         if sched_out.is_empty:
+            if sched_out.cache_ops:  # tier copies queued by the last update (write-through)
+                self._apply_cache_ops(sched_out.cache_ops)
             self._update_live()
             return
         # What runs now (admissions, pages just allocated) is the load for the whole step: publish
@@ -809,6 +876,10 @@ class Engine:
         self._update_live(publish_load=False)
 
     def _execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
+        if sched_out.cache_ops and not self._apply_cache_ops(sched_out.cache_ops):
+            msg = "prefix cache copy failed"
+            return RunnerOutput(sampled_token_ids=[None] * len(sched_out.scheduled), logprobs=None,
+                                failed={s.request_id: msg for s in sched_out.scheduled})
         rows = []
         for s in sched_out.scheduled:
             sp = s.sampling_params
@@ -824,12 +895,30 @@ class Engine:
             msg = f"model step failed: {type(e).__name__}: {e}"
             return RunnerOutput(sampled_token_ids=[None] * len(rows), logprobs=None,
                                 failed={s.request_id: msg for s in sched_out.scheduled})
+        if sched_out.snapshot_ops and not self._apply_cache_ops(sched_out.snapshot_ops):
+            # a checkpoint that may be wrong must not be cached: fail the rows that took one
+            snap = {s.request_id for s in sched_out.scheduled
+                    if s.request_id in self.scheduler._pending_snapshots}
+            for rid in snap:
+                self.scheduler._drop_snapshot(rid)
         # A runner may fail single rows (RowResult.error): those requests finish with the error.
         failed = {s.request_id: r.error for s, r in zip(sched_out.scheduled, results)
                   if getattr(r, "error", None) is not None}
         sampled = [r.token_id if s.do_sample else None for s, r in zip(sched_out.scheduled, results)]
         logprobs = [r.logprob if s.do_sample else None for s, r in zip(sched_out.scheduled, results)]
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, failed=failed)
+
+    def _apply_cache_ops(self, ops) -> bool:
+        """Run the prefix cache's state copies on the runner. False (logged) if they failed."""
+        apply = getattr(self.runner, "apply_cache_ops", None)
+        if apply is None:
+            return True
+        try:
+            apply(ops)
+            return True
+        except Exception:
+            log.exception("prefix cache copy failed")
+            return False
 
     def _emit(self, u, now: float) -> None:
         rid = u.request_id
@@ -858,13 +947,14 @@ class Engine:
             new_logprobs=list(u.new_logprobs) if seq.sampling_params.logprobs is not None else None,
             finished=reason is not None, finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens, num_cached_tokens_host=seq.num_cached_tokens_host,
         )
         if reason is None:
             stream.put(out)
             return
         self._streams.pop(rid, None)
         self._detoks.pop(rid, None)
-        self.stats_collector.on_request_finished(rid, reason.type)
+        self.stats_collector.on_request_finished(rid, reason.type, num_cached_tokens=seq.num_cached_tokens)
         self._finish_stream(rid, stream, out)
 
     # -- published state (read by any thread) -----------------------------------------------------
@@ -901,10 +991,23 @@ class Engine:
             max_total_num_tokens=max_tokens,
             max_running_requests=self.scheduler_config.max_num_seqs,
             token_usage=used_tokens / max_tokens if max_tokens else 0.0,
-            cache_hit_rate=0.0,
             num_used_pages=c.num_used_blocks,
             num_total_pages=c.num_usable_blocks,
             num_used_slots=c.num_used_slots,
             num_total_slots=c.num_usable_slots,
             page_size=page,
+            **self._prefix_cache_load(),
+        )
+
+    def _prefix_cache_load(self) -> dict:
+        pc = self.prefix_cache
+        if pc is None:
+            return {}
+        hp, hc = pc.host_pages, pc.host_checkpoints
+        return dict(
+            prefix_cache=True, cache_hit_rate=self.scheduler.cache_hit_rate,
+            num_cached_pages=pc.num_device_pages(), num_evictable_pages=pc.evictable_pages(),
+            num_used_checkpoints=pc.checkpoints.num_used, num_total_checkpoints=pc.checkpoints.size,
+            num_host_used_pages=hp.num_used if hp else 0, num_host_total_pages=hp.size if hp else 0,
+            num_host_used_checkpoints=hc.num_used if hc else 0, num_host_total_checkpoints=hc.size if hc else 0,
         )

@@ -127,6 +127,31 @@ class ScheduledSequence:
         return self.num_computed_tokens
 
 
+CACHE_OP_KINDS = ("save_slot", "load_slot", "load_slot_host", "pages_to_host", "pages_to_device", "ckpt_to_host")
+
+
+@dataclass(frozen=True)
+class CacheOp:
+    """A state copy the runner makes outside the step graphs (prefix cache; pure data).
+
+    kinds (src -> dst, id lists of equal length):
+      save_slot        slot ids -> device checkpoint ids  (KDA state, conv window, indexer tail)
+      load_slot        device checkpoint ids -> slot ids
+      load_slot_host   host checkpoint ids -> slot ids
+      pages_to_host    device page ids -> host page ids    (MLA latents, pooled indexer keys)
+      pages_to_device  host page ids -> device page ids
+      ckpt_to_host     device checkpoint ids -> host checkpoint ids
+    """
+
+    kind: str
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.kind not in CACHE_OP_KINDS or len(self.src) != len(self.dst):
+            raise ValueError(f"bad cache op {self!r}")
+
+
 @dataclass
 class SchedulerOutput:
     """What to run this step, in order: decodes first (by default), then prefill chunks.
@@ -141,6 +166,10 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     step_id: int = 0
+    # Prefix cache: copies to make before the step (host tier, checkpoint restores) and after it
+    # (checkpoints of the state the step leaves in a slot), in order.
+    cache_ops: list[CacheOp] = field(default_factory=list)
+    snapshot_ops: list[CacheOp] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -26,8 +26,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from trnrt.engine.cache_manager import CacheManager
-from trnrt.engine.outputs import RunnerOutput, ScheduledSequence, SchedulerOutput, TokenLogprob
+from trnrt.engine.cache_manager import CacheManager, IdPool
+from trnrt.engine.outputs import CacheOp, RunnerOutput, ScheduledSequence, SchedulerOutput, TokenLogprob
 from trnrt.engine.request import FinishReason, GenerateRequest, InvalidRequestError, check_context_length
 from trnrt.engine.sequence import Sequence, SequenceStatus
 from trnrt.engine.stop import StopChecker
@@ -131,6 +131,12 @@ class Scheduler:
         eos_token_ids: the model's EOS ids (ModelInfo.eos_token_ids).
         clock: time source for the *_time_s stamps (time.monotonic; a GenerateRequest's
             arrival_time_s, if set, must come from the same clock).
+        prefix_cache: a RadixCache over `cache` (None: no prefix cache). With it, an admitted
+            request resumes from its longest cached prefix that ends at a state checkpoint (pages
+            shared, checkpoint restored into its slot: a `load_slot` CacheOp), prefill chunks are
+            cut at multiples of `checkpoint_interval`, and a row whose computed length reaches such
+            a multiple snapshots its slot (a `save_slot` CacheOp after the step) and inserts its
+            prefix into the tree.
     """
 
     def __init__(
@@ -140,6 +146,8 @@ class Scheduler:
         *,
         eos_token_ids: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
+        prefix_cache=None,
+        checkpoint_interval: int = 0,
     ):
         if cache.max_num_tokens_per_seq < config.max_model_len:
             raise ValueError(
@@ -156,6 +164,20 @@ class Scheduler:
         self._finished_since_schedule: list[str] = []
         self._step_id = 0
         self.num_preemptions_total = 0
+        # Prefix cache (trnrt.engine.radix_cache.RadixCache) and its checkpoint interval (tokens, a
+        # multiple of the page size): None keeps every decision exactly as without it.
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            if checkpoint_interval <= 0 or checkpoint_interval % cache.block_size:
+                raise ValueError(f"checkpoint_interval must be a positive multiple of the block size "
+                                 f"({cache.block_size}), got {checkpoint_interval!r}")
+        self.checkpoint_interval = checkpoint_interval
+        # request id -> (end position, checkpoint id) of the snapshot its scheduled row will take
+        self._pending_snapshots: dict[str, tuple[int, int]] = {}
+        self.num_prompt_tokens_admitted = 0  # first admissions only
+        self.num_cached_tokens_total = 0
+        self.num_cached_tokens_host_total = 0
+        self.num_prefix_hits = 0
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -241,11 +263,38 @@ class Scheduler:
             "num_free_blocks": self.cache.num_free_blocks,
             "num_used_slots": self.cache.num_used_slots,
             "cache_usage": self.cache.usage,
+            "prefix_cache": self.prefix_cache is not None,
+            "num_cached_tokens_total": self.num_cached_tokens_total,
+            "cache_hit_rate": self.cache_hit_rate,
         }
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Prompt tokens served from the prefix cache / prompt tokens admitted (first admissions)."""
+        n = self.num_prompt_tokens_admitted
+        return self.num_cached_tokens_total / n if n else 0.0
 
     def check_integrity(self) -> None:
         """Cache books balance against the live sequences; queues hold exactly the live ones."""
-        self.cache.check_integrity(self.requests.values())
+        pc = self.prefix_cache
+        self.cache.check_integrity(self.requests.values(), extra_refs=pc.device_page_refs() if pc else ())
+        if pc is not None:
+            pc.check_integrity()
+            pc.checkpoints.check_integrity(pc.checkpoint_ids() + [c for _, c in self._pending_snapshots.values()])
+            if pc.has_host_tier:
+                pc.host_pages.check_integrity(pc.host_page_ids())
+                pc.host_checkpoints.check_integrity(pc.host_checkpoint_ids())
+            # every lock is a live running sequence's
+            expected: dict[int, int] = {}
+            for seq in self.requests.values():
+                node = seq.cache_node
+                if node is not None:
+                    assert seq.status is SequenceStatus.RUNNING, seq
+                while node is not None and not node.is_root:
+                    expected[node.id] = expected.get(node.id, 0) + 1
+                    node = node.parent
+            for node in pc._nodes():
+                assert node.lock_ref == expected.get(node.id, 0), (node, expected.get(node.id, 0))
         live = set(self.requests)
         queued = [s.request_id for s in self.waiting] + [s.request_id for s in self.running]
         assert len(queued) == len(set(queued)) and set(queued) == live, (queued, live)
@@ -274,17 +323,18 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = self._num_new_tokens(seq, budget)
-            while not self.cache.can_allocate_for(seq, seq.num_computed_tokens + num_new):
+            while not self._can_allocate_for(seq, seq.num_computed_tokens + num_new):
                 victim = max(self.running, key=lambda s: s.arrival_index)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim.request_id in entries:  # already scheduled this step: take it back
                     budget += entries.pop(victim.request_id).num_new_tokens
+                    self._drop_snapshot(victim.request_id)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            entries[seq.request_id] = self._schedule_seq(seq, num_new)
+            entries[seq.request_id] = self._schedule_seq(seq, num_new, out)
             budget -= num_new
 
         # NOTE: no admissions in a step that preempted: the pages just freed belong to the
@@ -293,33 +343,162 @@ class Scheduler:
             now = self.clock()
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 seq = self.waiting[0]
+                match = self._match(seq)
                 num_new = self._num_new_tokens(seq, budget)
                 if num_new < seq.num_uncomputed_tokens and not cfg.chunked_prefill:
+                    self._unmatch(seq, match)
                     break  # FCFS: the head waits for a step with room for its whole prompt
-                if not self.cache.can_allocate_for(seq, num_new):
+                extra = match.num_host_pages if match is not None else 0
+                if not self._can_allocate_for(seq, seq.num_computed_tokens + num_new, extra_pages=extra,
+                                              shared=match):
+                    self._unmatch(seq, match)
                     break
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 if seq.first_scheduled_time_s is None:
                     seq.first_scheduled_time_s = now
+                first = seq.num_preemptions == 0
+                if first:
+                    self.num_prompt_tokens_admitted += seq.num_prompt_tokens
+                if match is not None:
+                    self._resume(seq, match, first)
                 self.running.append(seq)
-                entries[seq.request_id] = self._schedule_seq(seq, num_new)
+                entries[seq.request_id] = self._schedule_seq(seq, num_new, out)
                 budget -= num_new
 
         out.scheduled = list(entries.values())
         out.preempted_request_ids = [s.request_id for s in preempted]
+        if self.prefix_cache is not None:
+            out.cache_ops = self.prefix_cache.take_ops()
         return out
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_uncomputed_tokens, budget)
         if seq.is_prefill:
             n = min(n, self.config.max_prefill_tokens)
+            if self.prefix_cache is not None:
+                # Cut the chunk at the next checkpoint position, so the state there can be kept.
+                start = seq.num_computed_tokens
+                boundary = (start // self.checkpoint_interval + 1) * self.checkpoint_interval
+                if boundary < start + n:
+                    n = boundary - start
         return n
 
-    def _schedule_seq(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+    # -- prefix cache --------------------------------------------------------------------------
+
+    def _can_allocate_for(self, seq: Sequence, num_tokens_total: int, *, extra_pages: int = 0,
+                          shared=None) -> bool:
+        """CacheManager.can_allocate_for, after evicting unlocked cached pages if that helps.
+
+        `shared`: a PrefixMatch the sequence will resume through (its pages are shared, not new);
+        `extra_pages`: pages to allocate besides the block table's growth (host-tier loads).
+        """
+        c = self.cache
+        skip = shared.num_tokens // c.block_size if shared is not None else 0
+        need = max(0, c.num_blocks_for(num_tokens_total) - max(len(seq.block_ids), skip)) + extra_pages
+        need_slot = 1 if seq.slot_id is None else 0
+        if c.can_allocate(need, need_slot):
+            return True
+        if self.prefix_cache is not None and need > c.num_free_blocks:
+            self.prefix_cache.evict(need)
+        return c.can_allocate(need, need_slot)
+
+    def _match(self, seq: Sequence):
+        """The usable cached prefix of a waiting sequence (locked, so that evictions made for its
+        own pages cannot take it), or None. Sets num_computed_tokens to the resume position so
+        that the chunk size is computed from there; `_unmatch` undoes both."""
+        if self.prefix_cache is None or seq.num_computed_tokens or seq.num_tokens < 2:
+            return None
+        m = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1))
+        if m.num_tokens == 0:
+            return None
+        self.prefix_cache.lock(m.node)
+        seq.num_computed_tokens = m.num_tokens
+        return m
+
+    def _unmatch(self, seq: Sequence, match) -> None:
+        if match is not None:
+            self.prefix_cache.unlock(match.node)
+            seq.num_computed_tokens = 0
+
+    def _resume(self, seq: Sequence, m, first: bool) -> None:
+        """Admit `seq` through the locked match `m`: load host-only nodes back, share the path's
+        pages, and queue the restore of the checkpoint into the slot (allocated in _schedule_seq)."""
+        pc = self.prefix_cache
+        host_tokens = m.host_tokens  # before the load makes them device-resident
+        pc.load_to_device(m)
+        pc.record_hit(m)
+        for node in m.path:
+            self.cache.share_blocks(seq, node.device_pages)
+        seq.cache_node = m.node
+        if first:
+            seq.num_cached_tokens = m.num_tokens
+            seq.num_cached_tokens_host = host_tokens
+            self.num_cached_tokens_total += m.num_tokens
+            self.num_cached_tokens_host_total += host_tokens
+            self.num_prefix_hits += 1
+
+    def _plan_snapshot(self, seq: Sequence, end: int, out: SchedulerOutput) -> None:
+        """After this step `seq`'s slot holds the state at `end`: keep it if `end` is a checkpoint
+        position the tree lacks and a checkpoint id can be had."""
+        pc = self.prefix_cache
+        if pc is None or end % self.checkpoint_interval or end == 0:
+            return
+        if pc.has_checkpoint_at(seq.token_slice(0, end)):
+            return
+        ids = pc.checkpoints.allocate(1)
+        if ids is None:
+            pc.evict(num_checkpoints=1)
+            ids = pc.checkpoints.allocate(1)
+            if ids is None:
+                return  # every checkpoint is in use by a running request's path: skip this one
+        self._pending_snapshots[seq.request_id] = (end, ids[0])
+        out.snapshot_ops.append(CacheOp("save_slot", (seq.slot_id,), (ids[0],)))
+
+    def _drop_snapshot(self, request_id: str) -> None:
+        pending = self._pending_snapshots.pop(request_id, None)
+        if pending is not None:
+            self.prefix_cache.checkpoints.free([pending[1]])
+
+    def _commit_snapshot(self, seq: Sequence) -> None:
+        """The step that snapshotted `seq` succeeded: insert its prefix with the checkpoint."""
+        end, ckpt = self._pending_snapshots.pop(seq.request_id)
+        pc = self.prefix_cache
+        node, adopted = pc.insert(seq.token_slice(0, end), seq.block_ids, ckpt, priority=seq.priority or 0)
+        if not adopted:
+            pc.checkpoints.free([ckpt])
+        pc.lock(node)
+        if seq.cache_node is not None:
+            pc.unlock(seq.cache_node)
+        seq.cache_node = node
+
+    def _release_cache_node(self, seq: Sequence) -> None:
+        if seq.cache_node is not None:
+            self.prefix_cache.unlock(seq.cache_node)
+            seq.cache_node = None
+        if self._pending_snapshots:
+            self._drop_snapshot(seq.request_id)
+
+    def flush_prefix_cache(self) -> None:
+        """Idle only: drop every cached page and checkpoint (both tiers)."""
+        if self.prefix_cache is not None:
+            assert not self.requests, "flush_prefix_cache with live requests"
+            self.prefix_cache.reset()
+
+    def _schedule_seq(self, seq: Sequence, num_new: int, out: SchedulerOutput | None = None) -> ScheduledSequence:
         start = seq.num_computed_tokens
+        had_slot = seq.slot_id is not None
         self.cache.allocate_blocks_for(seq, start + num_new)
         assert seq.slot_id is not None
+        if not had_slot and start > 0 and self.prefix_cache is not None:
+            # resumed through the cache: its slot starts from the checkpoint
+            node = seq.cache_node
+            if node.checkpoint is not None:
+                self.prefix_cache._ops.append(CacheOp("load_slot", (node.checkpoint,), (seq.slot_id,)))
+            else:
+                self.prefix_cache._ops.append(CacheOp("load_slot_host", (node.host_checkpoint,), (seq.slot_id,)))
+        if out is not None:
+            self._plan_snapshot(seq, start + num_new, out)
         return ScheduledSequence(
             request_id=seq.request_id,
             token_ids=seq.token_slice(start, start + num_new),
@@ -334,6 +513,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        if self.prefix_cache is not None:
+            self._release_cache_node(seq)
         self.cache.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
@@ -347,6 +528,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if self.prefix_cache is not None:
+            self._release_cache_node(seq)
         self.cache.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -386,6 +569,8 @@ class Scheduler:
                 updates.append(SequenceUpdate(seq, finish_reason=reason, error=error))
                 continue
             seq.num_computed_tokens += entry.num_new_tokens
+            if self._pending_snapshots and seq.request_id in self._pending_snapshots:
+                self._commit_snapshot(seq)
             if not entry.do_sample:
                 continue  # partial prefill chunk: state written, nothing sampled
             seq.append_token(int(token), lp)

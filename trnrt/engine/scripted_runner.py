@@ -22,6 +22,14 @@ How rows map to requests (`RowInput.request_id`, `RowInput.do_sample`):
 
 Per-request records are dropped by `release()`, which the Engine calls whenever a request
 finishes, so the runner holds state only for live requests.
+
+State, simulated (so the prefix cache's bookkeeping is checked exactly, without a model): a slot
+"holds" the token ids fed into it since its last `start_pos == 0` row, and a page holds the ids at
+its positions. The prefix cache's CacheOps copy those like the model runner copies tensors. A row
+whose slot does not hold exactly `start_pos` tokens, or (on a request's first row after admission)
+whose block table's pages do not hold its tokens, fails with a "state mismatch" error: a resumed
+request that would compute from a wrong state cannot pass silently. A request admitted at
+`start_pos > 0` (resumed from the cache) takes its prompt's head from its slot.
 """
 
 from __future__ import annotations
@@ -103,7 +111,8 @@ class ScriptedRunner:
         num_execute_calls: steps run so far.
     """
 
-    def __init__(self, script: Script, *, eos_token_id: int, vocab_size: int, step_delay_s: float = 0.0):
+    def __init__(self, script: Script, *, eos_token_id: int, vocab_size: int, step_delay_s: float = 0.0,
+                 block_size: int = 16):
         if not isinstance(eos_token_id, int) or not (0 <= eos_token_id < vocab_size):
             raise ValueError(f"eos_token_id must be a token id in [0, {vocab_size}), got {eos_token_id!r}")
         self.script = script
@@ -113,6 +122,15 @@ class ScriptedRunner:
         self.paused = PauseSwitch()
         self.num_execute_calls = 0
         self._records: dict[str, _Record] = {}  # engine thread only
+        self.block_size = block_size
+        # simulated state (see the module docstring)
+        self._slots: dict[int, tuple[int, ...]] = {}
+        self._pages: dict[int, list[int | None]] = {}
+        self._ckpts: dict[int, tuple[int, ...]] = {}
+        self._host_ckpts: dict[int, tuple[int, ...]] = {}
+        self._host_pages: dict[int, list[int | None]] = {}
+        self.num_cache_ops: dict[str, int] = {}
+        self.num_state_mismatches = 0
 
     # -- the runner contract (engine thread) -------------------------------------------------
 
@@ -129,6 +147,27 @@ class ScriptedRunner:
         self.num_execute_calls += 1
         return [self._row(r) for r in rows]
 
+    def apply_cache_ops(self, ops) -> None:
+        """The prefix cache's copies, on the simulated state (a missing source raises: the engine
+        then fails the step, as a real copy failure would)."""
+        for op in ops:
+            self.num_cache_ops[op.kind] = self.num_cache_ops.get(op.kind, 0) + 1
+            for a, b in zip(op.src, op.dst):
+                if op.kind == "save_slot":
+                    self._ckpts[b] = self._slots.get(a, ())
+                elif op.kind == "load_slot":
+                    self._slots[b] = self._ckpts[a]
+                elif op.kind == "load_slot_host":
+                    self._slots[b] = self._host_ckpts[a]
+                elif op.kind == "pages_to_host":
+                    self._host_pages[b] = list(self._pages[a])
+                elif op.kind == "pages_to_device":
+                    self._pages[b] = list(self._host_pages[a])
+                elif op.kind == "ckpt_to_host":
+                    self._host_ckpts[b] = self._ckpts[a]
+                else:
+                    raise ValueError(f"unknown cache op {op.kind!r}")
+
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget finished requests (the Engine calls this for every finish)."""
         for rid in request_ids:
@@ -138,6 +177,9 @@ class ScriptedRunner:
         """The engine is idle and flushes its caches: no request is live, so no record should be
         left; drop any (a finish the engine failed to report must not pin memory forever)."""
         self._records.clear()
+        self._ckpts.clear()
+        self._host_ckpts.clear()
+        self._host_pages.clear()
 
     # -- introspection (tests) ----------------------------------------------------------------
 
@@ -153,13 +195,44 @@ class ScriptedRunner:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _state(self, row: RowInput) -> str | None:
+        """Check and advance the simulated state of `row`'s slot and pages; an error or None."""
+        hist = () if row.start_pos == 0 else self._slots.get(row.slot_id, ())
+        bs = self.block_size
+        error = None
+        if len(hist) != row.start_pos:
+            error = f"slot {row.slot_id} holds {len(hist)} tokens, row starts at {row.start_pos}"
+        else:
+            full = row.start_pos // bs
+            for i in range(full + (1 if row.start_pos % bs else 0)):
+                lo, hi = i * bs, min((i + 1) * bs, row.start_pos)
+                page = self._pages.get(row.block_ids[i]) if i < len(row.block_ids) else None
+                if page is None or page[:hi - lo] != list(hist[lo:hi]):
+                    error = f"page {row.block_ids[i] if i < len(row.block_ids) else None} does not hold positions {lo}..{hi - 1}"
+                    break
+        if error is not None:
+            self.num_state_mismatches += 1
+            return f"scripted runner: state mismatch for {row.request_id!r}: {error}"
+        self._slots[row.slot_id] = tuple(hist) + tuple(row.token_ids)
+        for i, t in enumerate(row.token_ids):
+            p = row.start_pos + i
+            page = self._pages.setdefault(row.block_ids[p // bs], [None] * bs)
+            page[p % bs] = t
+        return None
+
     def _row(self, row: RowInput) -> RowResult:
         rid = row.request_id
         rec = self._records.get(rid)
+        state_error = self._state(row)
         # A new request, or one preempted before its first token (it re-prefills from 0 and has
-        # no outputs to keep): start its prompt afresh.
+        # no outputs to keep): start its prompt afresh. One admitted mid-prompt (resumed from the
+        # prefix cache) takes the prompt's head from its slot.
         if rec is None or (rec.outputs is None and row.start_pos == 0):
             rec = self._records[rid] = _Record(prompt=[])
+            if row.start_pos > 0 and state_error is None:
+                rec.prompt = list(self._slots[row.slot_id][:row.start_pos])
+        if state_error is not None and rec.error is None:
+            rec.error = state_error
         if rec.outputs is None and rec.error is None:
             if row.start_pos != len(rec.prompt):
                 # Chunks of one prompt arrive in order; a gap means the engine lost track of this

@@ -1,0 +1,273 @@
+"""The radix prefix cache in the real Engine, with the scripted runner (no model, no torch).
+
+The scripted runner simulates state exactly (a slot holds the tokens fed into it, a page the tokens
+at its positions; CacheOps copy them), and a request resumed from the cache takes its prompt's head
+from its restored slot. The script's output is a hash of the WHOLE prompt it reconstructs, so a
+resume from a wrong checkpoint, a wrong shared page or a lost host copy changes the output or fails
+the request with a "state mismatch": every test compares outputs with the cache off and asserts the
+runner saw no mismatch, and that the mechanism under test actually happened (hits, evictions, host
+loads, preemptions).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from trnrt.engine.cache_config import PrefixCacheConfig
+from trnrt.engine.request import GenerateRequest, SamplingParams
+from trnrt.engine.scheduler import SchedulerConfig
+
+TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from tokenizers import Tokenizer
+
+    from trnrt.models.tiny.tokenizer import write_tokenizer_files
+
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer_files(d)
+    return Tokenizer.from_file(str(d / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def eos(tok) -> int:
+    from trnrt.models.tiny.tokenizer import EOS_TOKEN
+
+    return tok.token_to_id(EOS_TOKEN)
+
+
+def hash_script(vocab: int, eos: int, n: int = 24):
+    """Output = n tokens that depend on every prompt token (never EOS)."""
+    def script(prompt: list[int]) -> list[int]:
+        h = 1469598103934665603
+        for t in prompt:
+            h = ((h ^ t) * 1099511628211) & ((1 << 64) - 1)
+        rng = random.Random(h)
+        out = []
+        while len(out) < n:
+            t = rng.randrange(vocab)
+            if t != eos:
+                out.append(t)
+        return out
+    return script
+
+
+@pytest.fixture
+def engines(tok, eos):
+    from trnrt.engine.engine import Engine
+
+    made = []
+
+    def make(cache: PrefixCacheConfig | None, **kw):
+        kw.setdefault("max_model_len", 1024)
+        e = Engine.scripted(tok, hash_script(tok.get_vocab_size(), eos), eos_token_ids=(eos,),
+                            prefix_cache_config=cache, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.runner.paused.clear()
+        e.shutdown(0.0)
+
+
+def run(engine, prompts: list[list[int]], max_new: int = 24, rid: str = "r") -> list[tuple[list[int], int]]:
+    """Submit all at once; (output ids, cached tokens) per prompt."""
+    streams = engine.submit_many([
+        GenerateRequest(prompt_token_ids=p, request_id=f"{rid}{i}", stream=False,
+                        sampling_params=SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+        for i, p in enumerate(prompts)])
+    out = []
+    for s in streams:
+        last = None
+        deadline = time.monotonic() + TIMEOUT_S
+        while last is None or not last.finished:
+            o = s.get(timeout=max(0.0, deadline - time.monotonic()))
+            assert o is not None, "stalled"
+            last = o if last is None else o
+            ids = getattr(s, "_ids", [])
+            ids.extend(o.new_token_ids)
+            s._ids = ids
+        assert last.error is None, last.error
+        out.append((list(s._ids), last.num_cached_tokens))
+    return out
+
+
+def wait_idle(engine) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not engine.is_idle() or engine.scheduler.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+
+
+def assert_books(engine) -> None:
+    """Idle: every page, slot and checkpoint is free or owned by the cache; no mismatch seen."""
+    wait_idle(engine)
+    time.sleep(0.01)
+    engine.scheduler.check_integrity()
+    pc = engine.prefix_cache
+    held = len(set(pc.device_page_refs())) if pc is not None else 0
+    assert engine.cache.num_used_blocks == held
+    assert engine.cache.num_used_slots == 0
+    if pc is not None:
+        assert pc.checkpoints.num_used == len(pc.checkpoint_ids())
+        assert all(n.lock_ref == 0 for n in pc._nodes())
+    assert engine.runner.num_state_mismatches == 0
+    assert engine.runner.num_records == 0
+
+
+def conversations(vocab: int, eos: int, n: int, seed: int, first_len: int = 70, turn_len: int = 20):
+    rng = random.Random(seed)
+
+    def toks(k):
+        return [t for t in (rng.randrange(vocab) for _ in range(k * 2)) if t != eos][:k]
+
+    return [toks(first_len) for _ in range(n)], lambda: toks(turn_len)
+
+
+def multi_turn(engine, starts, next_turn, turns: int):
+    """Run every conversation turn by turn (all conversations of a turn together)."""
+    prompts = [list(p) for p in starts]
+    results = []
+    for t in range(turns):
+        res = run(engine, prompts, rid=f"t{t}-")
+        results.append(res)
+        prompts = [p + out + next_turn() for p, (out, _) in zip(prompts, res)]
+    return results
+
+
+CACHE = PrefixCacheConfig(checkpoint_interval=32)
+
+
+def test_multi_turn_equals_cache_off_and_hits(tok, eos, engines):
+    vocab = tok.get_vocab_size()
+    on = engines(CACHE)
+    off = engines(None)
+    starts, nxt = conversations(vocab, eos, 16, seed=1)
+    r_on = multi_turn(on, starts, nxt, 4)
+    starts, nxt = conversations(vocab, eos, 16, seed=1)
+    r_off = multi_turn(off, starts, nxt, 4)
+    assert [[o for o, _ in t] for t in r_on] == [[o for o, _ in t] for t in r_off]
+    assert all(c == 0 for t in r_off for _, c in t)
+    # turn 1 on resumes from the previous turns' checkpoints (a multiple of the interval)
+    later = [c for t in r_on[1:] for _, c in t]
+    assert all(c > 0 and c % 32 == 0 for c in later), later
+    assert on.runner.num_cache_ops.get("load_slot", 0) >= 48
+    assert on.scheduler.cache_hit_rate > 0.3
+    assert_books(on)
+    assert_books(off)
+
+
+def test_shared_system_prompt(tok, eos, engines):
+    vocab = tok.get_vocab_size()
+    rng = random.Random(7)
+    system = [t for t in (rng.randrange(vocab) for _ in range(300)) if t != eos][:200]
+    users = [[t for t in (rng.randrange(vocab) for _ in range(40)) if t != eos][:30] for _ in range(8)]
+    on, off = engines(CACHE), engines(None)
+    first_on = run(on, [system + users[0]])
+    rest_on = run(on, [system + u for u in users[1:]], rid="b")
+    first_off = run(off, [system + users[0]])
+    rest_off = run(off, [system + u for u in users[1:]], rid="b")
+    assert [o for o, _ in first_on + rest_on] == [o for o, _ in first_off + rest_off]
+    assert first_on[0][1] == 0
+    assert all(c == 192 for _, c in rest_on), [c for _, c in rest_on]  # 200 shared -> 6 x 32
+    assert_books(on)
+
+
+def test_eviction_under_page_pressure(tok, eos, engines):
+    """A pool too small to keep every conversation: the tree evicts, outputs stay equal."""
+    vocab = tok.get_vocab_size()
+    on = engines(CACHE, num_blocks=48, max_running_requests=4, max_model_len=512)
+    off = engines(None, num_blocks=48, max_running_requests=4, max_model_len=512)
+    starts, nxt = conversations(vocab, eos, 8, seed=3, first_len=60)
+    r_on = multi_turn(on, starts, nxt, 3)
+    starts, nxt = conversations(vocab, eos, 8, seed=3, first_len=60)
+    r_off = multi_turn(off, starts, nxt, 3)
+    assert [[o for o, _ in t] for t in r_on] == [[o for o, _ in t] for t in r_off]
+    assert on.prefix_cache.num_evicted_pages > 0
+    assert_books(on)
+
+
+def test_host_tier_round_trip(tok, eos, engines):
+    """Evicted pages and checkpoints go to host memory and come back on a hit."""
+    vocab = tok.get_vocab_size()
+    for policy in ("write_through", "write_back"):
+        cfg = PrefixCacheConfig(checkpoint_interval=32, hierarchical=True, hicache_ratio=4.0, write_policy=policy)
+        on = engines(cfg, num_blocks=48, max_running_requests=4, max_model_len=512)
+        off = engines(None, num_blocks=48, max_running_requests=4, max_model_len=512)
+        starts, nxt = conversations(vocab, eos, 8, seed=5, first_len=60)
+        r_on = multi_turn(on, starts, nxt, 3)
+        starts, nxt = conversations(vocab, eos, 8, seed=5, first_len=60)
+        r_off = multi_turn(off, starts, nxt, 3)
+        assert [[o for o, _ in t] for t in r_on] == [[o for o, _ in t] for t in r_off], policy
+        pc = on.prefix_cache
+        assert pc.num_evicted_pages > 0 and pc.num_host_loaded_pages > 0, policy
+        assert on.scheduler.num_cached_tokens_host_total > 0, policy
+        assert on.runner.num_cache_ops.get("pages_to_device", 0) > 0
+        assert_books(on)
+
+
+def test_preemption_resumes_through_the_cache(tok, eos, engines):
+    """Long generations in a small pool: running requests are preempted and resume from their
+    decode-time checkpoints (not from 0), with the same outputs."""
+    vocab = tok.get_vocab_size()
+    rng = random.Random(11)
+    prompts = [[t for t in (rng.randrange(vocab) for _ in range(60)) if t != eos][:40] for _ in range(6)]
+    on = engines(CACHE, num_blocks=40, max_running_requests=6, max_model_len=512)
+    off = engines(None, num_blocks=40, max_running_requests=6, max_model_len=512)
+    r_on = run(on, prompts, max_new=120)
+    r_off = run(off, prompts, max_new=120)
+    assert [o for o, _ in r_on] == [o for o, _ in r_off]
+    assert on.scheduler.num_preemptions_total > 0
+    assert on.runner.num_cache_ops.get("load_slot", 0) > 0
+    assert_books(on)
+
+
+def test_aborts_and_flush_leave_nothing(tok, eos, engines):
+    vocab = tok.get_vocab_size()
+    on = engines(CACHE)
+    starts, nxt = conversations(vocab, eos, 6, seed=9)
+    multi_turn(on, starts, nxt, 2)
+    on.runner.step_delay_s = 0.002
+    streams = on.submit_many([GenerateRequest(prompt_token_ids=p + nxt(), request_id=f"x{i}",
+                                              sampling_params=SamplingParams(max_new_tokens=200, ignore_eos=True))
+                              for i, p in enumerate(starts)])
+    time.sleep(0.05)
+    for s in streams[::2]:
+        on.abort(s.request_id)
+    for s in streams:
+        while not (o := s.get(timeout=TIMEOUT_S)).finished:
+            pass
+    on.runner.step_delay_s = 0.0
+    assert_books(on)
+    assert on.prefix_cache.num_device_pages() > 0
+    res = on.flush_cache(timeout_s=5.0)
+    assert res.ok, res
+    assert on.cache.num_used_blocks == 0 and on.prefix_cache.checkpoints.num_used == 0
+    assert not on.prefix_cache.root.children
+    assert_books(on)
+    load = on.load()
+    assert load.prefix_cache and load.num_cached_pages == 0
+
+
+def test_one_token_difference_is_never_served_from_the_cache(tok, eos, engines):
+    """Prompts equal but for one token (at a page start, mid-page, just before a checkpoint):
+    the cache serves exactly the part before the difference, rounded down to a checkpoint."""
+    vocab = tok.get_vocab_size()
+    rng = random.Random(13)
+    base = [t for t in (rng.randrange(vocab) for _ in range(200)) if t != eos][:130]
+    on, off = engines(CACHE), engines(None)
+    run(on, [base], rid="base")
+    for pos in (0, 16, 31, 32, 48, 64, 70, 80, 95, 96, 112, 127):
+        p = list(base)
+        p[pos] = (p[pos] + 1) % vocab if (p[pos] + 1) % vocab != eos else (p[pos] + 2) % vocab
+        (out_on, cached), = run(on, [p], rid=f"d{pos}-")
+        (out_off, _), = run(off, [p], rid=f"d{pos}-")
+        assert out_on == out_off, pos
+        assert cached == (pos // 32) * 32, (pos, cached)
+    assert_books(on)
