@@ -33,6 +33,11 @@ _PAD = {"start_pos": 0, "num_new": 0, "slot_ids": 0, "temperature": 0.0, "top_p"
         "sample_pos": 0}
 
 
+# ModelState tensors by kind (dimension 1 is the slot / the page); see trnrt.models.glm5_next.state.
+_SLOT_STATE = ("kda", "conv", "tail")
+_PAGE_STATE = ("latent", "pooled")
+
+
 class _InputBuffers:
     """Host arrays of one graph shape and the tensors that share their memory, in
     STEP_INPUT_NAMES order."""
@@ -143,6 +148,60 @@ class ModelRunner:
             if not self.compiled or greedy in self.compiled:
                 return "greedy"
         return "full"
+
+    # -- prefix cache: state copies outside the graphs ------------------------------------------
+
+    def allocate_cache_tiers(self, num_checkpoints: int, num_host_pages: int, num_host_checkpoints: int) -> None:
+        """Allocate the checkpoint pool (device) and the host tier for the prefix cache.
+
+        A checkpoint is one slot's per-sequence state (KDA state, conv window, indexer tail); a
+        host page is one page of every paged tensor (latents, pooled keys). Neither is a graph
+        input: CacheOps copy them in and out of the state tensors between steps.
+        """
+        st = self.state
+        host = torch.device("cpu")
+        pin = self.device.type == "cuda"
+
+        def like(t: torch.Tensor, n: int, device) -> torch.Tensor:
+            # [layers, n, ...] of the slot / page dimension 1
+            out = torch.zeros((t.shape[0], n) + tuple(t.shape[2:]), dtype=t.dtype, device=device)
+            return out.pin_memory() if pin and device == host else out
+
+        self._ckpt = {k: like(getattr(st, k), num_checkpoints, self.device) for k in _SLOT_STATE}
+        self._host_ckpt = {k: like(getattr(st, k), num_host_checkpoints, host) for k in _SLOT_STATE}
+        self._host_pages = {k: like(getattr(st, k), num_host_pages, host) for k in _PAGE_STATE}
+
+    def page_nbytes(self) -> int:
+        """Bytes of one page across the paged state tensors (sizes the host tier in MiB)."""
+        st = self.state
+        return sum(getattr(st, k)[:, :1].numel() * getattr(st, k).element_size() for k in _PAGE_STATE)
+
+    def apply_cache_ops(self, ops) -> None:
+        """Run the prefix cache's CacheOps, in order (see trnrt.engine.outputs.CacheOp)."""
+        st = self.state
+        for op in ops:
+            kind = op.kind
+            if kind in ("save_slot", "load_slot", "load_slot_host", "ckpt_to_host"):
+                names = _SLOT_STATE
+                src_of = {"save_slot": lambda k: getattr(st, k), "load_slot": lambda k: self._ckpt[k],
+                          "load_slot_host": lambda k: self._host_ckpt[k], "ckpt_to_host": lambda k: self._ckpt[k]}[kind]
+                dst_of = {"save_slot": lambda k: self._ckpt[k], "load_slot": lambda k: getattr(st, k),
+                          "load_slot_host": lambda k: getattr(st, k), "ckpt_to_host": lambda k: self._host_ckpt[k]}[kind]
+            elif kind == "pages_to_host":
+                names = _PAGE_STATE
+                src_of, dst_of = (lambda k: getattr(st, k)), (lambda k: self._host_pages[k])
+            elif kind == "pages_to_device":
+                names = _PAGE_STATE
+                src_of, dst_of = (lambda k: self._host_pages[k]), (lambda k: getattr(st, k))
+            else:
+                raise ValueError(f"unknown cache op {kind!r}")
+            for k in names:
+                src, dst = src_of(k), dst_of(k)
+                if src.shape[2:].numel() == 0:
+                    continue  # e.g. no indexer tail when index_kpool == 1
+                si = torch.tensor(op.src, dtype=torch.long, device=src.device)
+                di = torch.tensor(op.dst, dtype=torch.long, device=dst.device)
+                dst.index_copy_(1, di, src.index_select(1, si).to(dst.device))
 
     # -- public ------------------------------------------------------------------------------
 
