@@ -6,6 +6,7 @@ at module level (this module is imported by `trnrt --help`).
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass, field
 from typing import Annotated, Optional
@@ -39,12 +40,116 @@ class ServeArgs:
     compiled: str | None = None
     backend: str | None = None
     stream_interval: int = 1
+    # Prefix cache (SGLang's flag names; -> PrefixCacheConfig)
+    disable_radix_cache: bool = False
+    checkpoint_interval: int = 0
+    radix_eviction_policy: str = "lru"
+    radix_eviction_policy_config: dict = field(default_factory=dict)
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0  # GB (SGLang's unit); 0: --hicache-ratio decides
+    hicache_write_policy: str = "write_through"
+    # Scheduling policies (SGLang's flag names; -> SchedulerConfig)
+    schedule_policy: str = "fcfs"
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    disable_priority_preemption: bool = False
+    default_priority_value: int | None = None
+    abort_on_priority_when_disabled: bool = False
 
     @property
     def max_concurrent_requests(self) -> int:
-        """Requests the HTTP layer holds at once: running plus queued in the engine."""
-        queued = self.max_queued_requests if self.max_queued_requests is not None else self.max_running_requests
-        return self.max_running_requests + queued
+        """Requests the HTTP layer holds at once. Without --max-queued-requests: 2 x running (the
+        engine's queue is unbounded, SGLang's default, so the HTTP layer bounds it). With it, the
+        engine enforces the limit (SGLang's 503 "The request queue is full.", or a displaced
+        lower-priority request), so the HTTP layer admits QUEUE_OVERFLOW_HEADROOM more: those
+        reach the engine and get its answer instead of the HTTP layer's."""
+        if self.max_queued_requests is None:
+            return 2 * self.max_running_requests
+        return self.max_running_requests + self.max_queued_requests + QUEUE_OVERFLOW_HEADROOM
+
+    def scheduler_overrides(self) -> dict:
+        """The SchedulerConfig fields these options set (on top of the preset's resolved ones)."""
+        return {
+            "schedule_policy": self.schedule_policy,
+            "enable_priority_scheduling": self.enable_priority_scheduling,
+            "schedule_low_priority_values_first": self.schedule_low_priority_values_first,
+            "priority_preemption_threshold": self.priority_scheduling_preemption_threshold,
+            "disable_priority_preemption": self.disable_priority_preemption,
+            "default_priority_value": self.default_priority_value,
+            "abort_on_priority_when_disabled": self.abort_on_priority_when_disabled,
+            "max_queued_requests": self.max_queued_requests,
+        }
+
+    def prefix_cache_config(self):
+        """The PrefixCacheConfig these options give (the radix cache is on unless disabled, as in SGLang)."""
+        from trnrt.engine.cache_config import PrefixCacheConfig
+
+        return PrefixCacheConfig(
+            enabled=not self.disable_radix_cache, checkpoint_interval=self.checkpoint_interval,
+            eviction_policy=self.radix_eviction_policy, eviction_policy_config=dict(self.radix_eviction_policy_config),
+            hierarchical=self.enable_hierarchical_cache, hicache_ratio=self.hicache_ratio,
+            hicache_size_mb=self.hicache_size * 1024, write_policy=self.hicache_write_policy)
+
+
+# Generation requests the HTTP layer admits beyond running + --max-queued-requests, so that the
+# engine's own queue limit (and priority displacement) answers them.
+QUEUE_OVERFLOW_HEADROOM = 8
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+PRIORITY_POLICIES = ("fcfs", "lof")
+EVICTION_POLICIES = ("lru", "lfu", "slru", "priority", "tlru")  # = trnrt.engine.cache_config's
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")
+# SGLang's startup errors, word for word.
+PRIORITY_POLICY_MESSAGE = "To use priority scheduling, schedule_policy must be 'fcfs' or 'lof'."
+HICACHE_RADIX_MESSAGE = ("The arguments enable-hierarchical-cache and disable-radix-cache are mutually exclusive "
+                         "and cannot be used at the same time. Please use only one of them.")
+
+
+def _choice(value: str, choices: tuple[str, ...], flag: str) -> str:
+    if value not in choices:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}", param_hint=flag)
+    return value
+
+
+def check_cache_and_scheduling(args: ServeArgs) -> None:
+    """The cross-flag rules of the prefix cache and scheduling options (usage errors, exit 2),
+    checked before the model loads: SGLang's startup checks, and the checkpoint interval against
+    the preset's block size."""
+    if args.enable_priority_scheduling and args.schedule_policy not in PRIORITY_POLICIES:
+        raise typer.BadParameter(PRIORITY_POLICY_MESSAGE, param_hint="--schedule-policy")
+    if args.enable_hierarchical_cache and args.disable_radix_cache:
+        raise typer.BadParameter(HICACHE_RADIX_MESSAGE, param_hint="--enable-hierarchical-cache")
+    if not args.hicache_ratio > 0:
+        raise typer.BadParameter(f"must be > 0, got {args.hicache_ratio}", param_hint="--hicache-ratio")
+    try:
+        pcc = args.prefix_cache_config()
+    except ValueError as e:  # PrefixCacheConfig's own checks (the flags' ranges are checked by click)
+        raise typer.BadParameter(str(e), param_hint="--radix-eviction-policy-config")
+    if args.checkpoint_interval:
+        block_size = _preset_block_size(args.preset)
+        if block_size:
+            try:
+                pcc.resolved_interval(block_size)
+            except ValueError as e:
+                raise typer.BadParameter(str(e), param_hint="--checkpoint-interval")
+
+
+def _preset_block_size(preset: str) -> int | None:
+    """The preset's page size (None when the preset cannot be read: build_engine reports that)."""
+    try:
+        from trnrt.config.presets import load_preset
+
+        return int(load_preset(preset or "default").block_size)
+    except Exception:
+        return None
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def resolve_model_dir(args: ServeArgs) -> str:
@@ -77,15 +182,32 @@ def build_engine(args: ServeArgs):
     model_dir = resolve_model_dir(args)
     tokenizer_factory = hf_tokenizer_factory(args.tokenizer_path or model_dir)
     if args.scripted:
+        import dataclasses
+
         from trnrt.engine.engine import Engine
         from trnrt.engine.scripted_runner import echo_script
 
-        engine = Engine.scripted(tokenizer_factory(), echo_script,
-                                 served_model_name=args.served_model_name or "trnrt-tiny", model_path=model_dir,
-                                 max_model_len=args.context_length or 4096,
-                                 max_running_requests=args.max_running_requests,
-                                 step_delay_s=args.scripted_step_delay_s, stream_interval=args.stream_interval,
-                                 submit_log_size=0)
+        kw = {}
+        if _accepts(Engine.scripted, "prefix_cache_config"):
+            kw["prefix_cache_config"] = args.prefix_cache_config()
+        max_model_len = args.context_length or 4096
+        common = dict(served_model_name=args.served_model_name or "trnrt-tiny", model_path=model_dir,
+                      max_model_len=max_model_len, max_running_requests=args.max_running_requests,
+                      step_delay_s=args.scripted_step_delay_s, stream_interval=args.stream_interval,
+                      submit_log_size=0)
+        if _accepts(Engine.scripted, "scheduler_config"):
+            from trnrt.engine.engine import resolve_configs
+
+            _, scfg = resolve_configs(None, preset="default", max_running_requests=args.max_running_requests,
+                                      context_length=max_model_len)
+            scfg = dataclasses.replace(scfg, **args.scheduler_overrides())
+            engine = Engine.scripted(tokenizer_factory(), echo_script, scheduler_config=scfg, **common, **kw)
+        else:  # an engine without the keyword: the same engine rebuilt with the scheduling options
+            engine = Engine.scripted(tokenizer_factory(), echo_script, start=False, **common, **kw)
+            scfg = dataclasses.replace(engine.scheduler_config, **args.scheduler_overrides())
+            engine = Engine(engine.runner, engine.tokenizer, engine.model_info, engine.engine_config, scfg,
+                            stream_interval=args.stream_interval, submit_log_size=0, **kw)
+            engine.startup_time_s = 0.0
         return engine, tokenizer_factory
     try:
         from trnrt.engine.engine import Engine  # the real engine (written against the same contract)
@@ -102,11 +224,22 @@ def build_engine(args: ServeArgs):
         def loader(model, state, engine_config):
             return load_compiled(args.compiled, model, state, engine_config, backend=args.backend)
 
+    import dataclasses
+
+    from trnrt.engine.engine import resolve_configs
+
+    # The scheduler config from_model_dir would resolve, with the scheduling options on top.
+    _, scfg = resolve_configs(None, preset=args.preset, max_running_requests=args.max_running_requests,
+                              context_length=args.context_length, compiled=loader is not None)
+    scfg = dataclasses.replace(scfg, **args.scheduler_overrides())
+    kw = {}
+    if _accepts(Engine.from_model_dir, "prefix_cache_config"):
+        kw["prefix_cache_config"] = args.prefix_cache_config()
     engine = Engine.from_model_dir(model_dir, preset=args.preset, max_running_requests=args.max_running_requests,
-                                   context_length=args.context_length,
+                                   context_length=args.context_length, scheduler_config=scfg,
                                    served_model_name=args.served_model_name,
                                    compiled_loader=loader, compiled_backend=args.backend or "cpu",
-                                   stream_interval=args.stream_interval)
+                                   stream_interval=args.stream_interval, **kw)
     return engine, tokenizer_factory
 
 
@@ -175,11 +308,11 @@ def serve(
     admin_api_key: Annotated[Optional[str], typer.Option("--admin-api-key", envvar="TRNRT_ADMIN_API_KEY", show_envvar=True, help="The key /flush_cache and /abort_request need instead of --api-key (SGLang's flag); other routes are unaffected.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id in the API.")] = None,
     max_running_requests: Annotated[int, typer.Option("--max-running-requests", help="Requests decoding at once.", min=1)] = 64,
-    max_queued_requests: Annotated[Optional[int], typer.Option("--max-queued-requests", help="Requests waiting in the engine (default: --max-running-requests); beyond running + queued, 503.", min=0)] = None,
+    max_queued_requests: Annotated[Optional[int], typer.Option("--max-queued-requests", help="Most requests waiting in the engine (SGLang's flag; default: unlimited, the HTTP layer then admits 2 x running). Past it, 503 \"The request queue is full.\" with Retry-After and X-Trnrt-Queue-Full headers.", min=0)] = None,
     context_length: Annotated[Optional[int], typer.Option("--context-length", help="Max prompt + completion tokens.", min=2)] = None,
     tool_call_parser: Annotated[str, typer.Option("--tool-call-parser", help="glm47 | glm45 (alias glm) | none.")] = "glm47",
     reasoning_parser: Annotated[str, typer.Option("--reasoning-parser", help="glm45 | none.")] = "glm45",
-    threads: Annotated[Optional[int], typer.Option("--threads", help="waitress worker threads (default: running + queued + 8).", min=1)] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="waitress worker threads (default: admitted generation requests + 8).", min=1)] = None,
     preset: Annotated[str, typer.Option("--preset", help="Graph-shaping preset (presets/*.toml).")] = "default",
     default_chat_template_kwargs: Annotated[Optional[str], typer.Option("--default-chat-template-kwargs", help="JSON object merged under each request's chat_template_kwargs.")] = None,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="Seconds to let in-flight requests finish on SIGINT/SIGTERM.", min=0)] = 30.0,
@@ -193,6 +326,21 @@ def serve(
     allowed_origins: Annotated[Optional[str], typer.Option("--allowed-origins", help="Comma-separated browser origins allowed to call the server (default: none but its own; * for any).")] = None,
     allowed_hosts: Annotated[Optional[str], typer.Option("--allowed-hosts", help="Comma-separated Host names the server answers to (default: loopback and --host; any when bound to 0.0.0.0).")] = None,
     trust_request_chat_template: Annotated[bool, typer.Option("--trust-request-chat-template", help="Render a chat request's own chat_template (vLLM's flag), in a sandbox bounded in time and memory; without it such a request is a 400. For trusted clients only.")] = False,
+    disable_radix_cache: Annotated[bool, typer.Option("--disable-radix-cache/", help="Turn the radix prefix cache off (SGLang's flag; on by default).")] = False,
+    checkpoint_interval: Annotated[int, typer.Option("--checkpoint-interval", help="Tokens between the prefix cache's state checkpoints, the granularity of prefix reuse; a multiple of the preset's block size (0: the engine picks).", min=0)] = 0,
+    radix_eviction_policy: Annotated[str, typer.Option("--radix-eviction-policy", help="Prefix-cache eviction: lru | lfu | slru | priority | tlru (SGLang's flag).")] = "lru",
+    radix_eviction_policy_config: Annotated[Optional[str], typer.Option("--radix-eviction-policy-config", help="JSON object of eviction-policy parameters, e.g. '{\"protected_threshold\": 4}' for slru.", metavar="JSON")] = None,
+    enable_hierarchical_cache: Annotated[bool, typer.Option("--enable-hierarchical-cache/", "--enable-hicache/", help="Keep prefix-cache pages evicted from the device in a host pool (SGLang's HiCache).")] = False,
+    hicache_ratio: Annotated[float, typer.Option("--hicache-ratio", help="Host pool size as a multiple of the device pool (with --enable-hierarchical-cache).")] = 2.0,
+    hicache_size: Annotated[int, typer.Option("--hicache-size", help="Host pool size in GB; overrides --hicache-ratio when > 0.", min=0)] = 0,
+    hicache_write_policy: Annotated[str, typer.Option("--hicache-write-policy", help="write_through (copy to the host on insert) | write_back (copy on eviction).")] = "write_through",
+    schedule_policy: Annotated[str, typer.Option("--schedule-policy", help="Waiting-queue order: fcfs | lpm | dfs-weight | lof | random (SGLang's flag; lpm and dfs-weight need the radix cache, else fcfs).")] = "fcfs",
+    enable_priority_scheduling: Annotated[bool, typer.Option("--enable-priority-scheduling/", help="Order the queue and preempt by each request's `priority` (with --schedule-policy fcfs or lof).")] = False,
+    schedule_low_priority_values_first: Annotated[bool, typer.Option("--schedule-low-priority-values-first/", help="Smaller priority values are preferred (default: larger ones).")] = False,
+    priority_scheduling_preemption_threshold: Annotated[int, typer.Option("--priority-scheduling-preemption-threshold", help="A waiting request preempts a running one only when its priority is better by more than this.")] = 10,
+    disable_priority_preemption: Annotated[bool, typer.Option("--disable-priority-preemption/", help="Priority scheduling orders the queue but never preempts a running request.")] = False,
+    default_priority_value: Annotated[Optional[int], typer.Option("--default-priority-value", help="The priority of a request that sets none (default: the least preferred).")] = None,
+    abort_on_priority_when_disabled: Annotated[bool, typer.Option("--abort-on-priority-when-disabled/", help="Without priority scheduling, refuse (503) a request that sets `priority` instead of ignoring the field.")] = False,
 ) -> None:
     """Serve the HTTP API; see docs/API.md for every route. The main families:
 
@@ -215,7 +363,12 @@ def serve(
     if not isinstance(kwargs, dict):
         raise typer.BadParameter("must be a JSON object", param_hint="--default-chat-template-kwargs")
     api_key = _resolve_api_key(api_key, api_key_file)
-    _check_port_free(host, port)  # before the model loads (seconds), not after
+    try:
+        from trnrt.engine.cache_config import PrefixCacheConfig
+
+        policy_config = PrefixCacheConfig.parse_policy_config(radix_eviction_policy_config)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--radix-eviction-policy-config")
     args = ServeArgs(
         model=model, tokenizer_path=tokenizer_path, host=host, port=port, api_key=api_key,
         served_model_name=served_model_name, max_running_requests=max_running_requests,
@@ -225,7 +378,20 @@ def serve(
         threads=threads, preset=preset, drain_timeout_s=drain_timeout, default_chat_template_kwargs=kwargs,
         scripted=scripted, scripted_step_delay_s=scripted_step_delay, compiled=compiled, backend=backend,
         stream_interval=stream_interval,
+        disable_radix_cache=disable_radix_cache, checkpoint_interval=checkpoint_interval,
+        radix_eviction_policy=_choice(radix_eviction_policy, EVICTION_POLICIES, "--radix-eviction-policy"),
+        radix_eviction_policy_config=policy_config, enable_hierarchical_cache=enable_hierarchical_cache,
+        hicache_ratio=hicache_ratio, hicache_size=hicache_size,
+        hicache_write_policy=_choice(hicache_write_policy, HICACHE_WRITE_POLICIES, "--hicache-write-policy"),
+        schedule_policy=_choice(schedule_policy, SCHEDULE_POLICIES, "--schedule-policy"),
+        enable_priority_scheduling=enable_priority_scheduling,
+        schedule_low_priority_values_first=schedule_low_priority_values_first,
+        priority_scheduling_preemption_threshold=priority_scheduling_preemption_threshold,
+        disable_priority_preemption=disable_priority_preemption, default_priority_value=default_priority_value,
+        abort_on_priority_when_disabled=abort_on_priority_when_disabled,
     )
+    check_cache_and_scheduling(args)
+    _check_port_free(host, port)  # before the model loads (seconds), not after
     from trnrt.serve import ServeSettings, create_app
     from trnrt.serve.server import run
 
@@ -243,6 +409,9 @@ def serve(
         allowed_origins=_csv(allowed_origins), allowed_hosts=_csv(allowed_hosts) or None, bind_host=args.host,
         tokenizer_path=args.tokenizer_path, admin_api_key=admin_api_key or None,
         trust_request_chat_template=trust_request_chat_template,
+        enable_priority_scheduling=args.enable_priority_scheduling,
+        abort_on_priority_when_disabled=args.abort_on_priority_when_disabled,
+        enable_hierarchical_cache=args.enable_hierarchical_cache and not args.disable_radix_cache,
         # reported by /server_info; keys never are
         server_args={k: v for k, v in vars(args).items() if "api_key" not in k},
     )

@@ -8,11 +8,14 @@ The returned `Submitted` drains the engine streams (checking for a client that l
 aborts whatever has not finished and releases the admission slot. `respond()` hands a renderer
 (output/) either the collected outputs (one JSON body) or the stream (SSE). Everything that can
 fail because of the input fails before the first byte, so it gets a proper 4xx; failures after
-that become the API's in-band error event.
+that become the API's in-band error event. A stream's headers wait for its first engine output, so
+a request the engine refuses at once (queue full: a system abort before any token) still gets a
+plain HTTP 503 rather than a 200 stream holding an error.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Callable, Iterator, Protocol
 
@@ -22,6 +25,7 @@ from trnrt.serve.http import sse
 from trnrt.serve.http.body import read_json
 from trnrt.serve.http.errors import APIError, bad_request, unavailable
 from trnrt.serve.http.state import ServeState
+from trnrt.serve.output.assembler import system_error
 
 log = logging.getLogger("trnrt.serve")
 
@@ -150,8 +154,9 @@ def respond(req, resp, sub: Submitted, renderer: Renderer, stream: bool) -> None
     collected JSON; `sub` is closed either way."""
     gone = client_gone(req)
     if stream:
+        outputs = _first_output(sub, gone)  # before the headers: a system abort is still a plain HTTP error
         sse_headers(resp)
-        resp.stream = sse.StreamBody(_sse_body(sub, renderer, gone, req.path), sub.close)
+        resp.stream = sse.StreamBody(_sse_body(sub, renderer, outputs, req.path), sub.close)
         return
     try:
         resp.media = renderer.collect(sub.outputs(gone))
@@ -161,9 +166,32 @@ def respond(req, resp, sub: Submitted, renderer: Renderer, stream: bool) -> None
         sub.close()
 
 
-def _sse_body(sub: Submitted, renderer: Renderer, gone, route: str = "-") -> Iterator[bytes]:
+def _first_output(sub: Submitted, gone) -> Iterator[tuple[int, RequestOutput]]:
+    """Wait for the first engine output of a streamed request before anything is written. If it
+    is a system abort (queue full, displaced by a higher priority request, shutdown) the request
+    never started: raise its HTTP error (SGLang's envelope, QUEUE_FULL_HEADERS where they apply)
+    and close `sub`. Otherwise return every output, that one first."""
+    rest = sub.outputs(gone)
     try:
-        yield from renderer.sse(sub.outputs(gone))
+        first = next(rest, None)
+    except sse.ClientGone:
+        sub.close()
+        raise bad_request("client closed the request")  # nobody reads it; the abort is what matters
+    except BaseException:
+        sub.close()
+        raise
+    if first is None:
+        return rest
+    err = system_error(first[1]) if first[1].finished else None
+    if err is not None:
+        sub.close()  # aborts the other requests of a batch
+        raise err
+    return itertools.chain([first], rest)
+
+
+def _sse_body(sub: Submitted, renderer: Renderer, outputs, route: str = "-") -> Iterator[bytes]:
+    try:
+        yield from renderer.sse(outputs)
     except sse.ClientGone:
         return
     except APIError as e:  # after the headers the status cannot change: report in-band

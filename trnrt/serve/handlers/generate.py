@@ -23,15 +23,17 @@ class Generate:
         try:
             with Admission(st) as adm:
                 greq, ti = begin(st, req, parse_generate)
+                st.check_priority([it.priority for it in greq.items])
                 reqs = to_engine_requests(greq, ti.tokenizer, st.context_len, st.engine.model_info.vocab_size)
                 sub = submit(st, reqs, lambda f: engine_field_to_sglang(f, greq), admission=adm, req=req)
         except SGLangObjectError:
             raise
         except APIError as e:
             if e.status >= 500:  # shutting down, at capacity: SGLang's HTTPException envelope
-                raise SGLangObjectError(e.status, e.message)
+                raise SGLangObjectError(e.status, e.message, headers=e.headers)
             raise
-        renderer = GenerateRenderer(ti, greq, reqs, t0, incremental=st.settings.incremental_streaming_output)
+        renderer = GenerateRenderer(ti, greq, reqs, t0, incremental=st.settings.incremental_streaming_output,
+                                    cache_details=st.settings.enable_hierarchical_cache)
         respond(req, resp, sub, renderer, greq.stream)
 
     on_put = on_post

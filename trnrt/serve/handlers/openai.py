@@ -46,6 +46,7 @@ class ChatCompletions:
 
     def _start(self, req, resp, st: ServeState, adm: Admission) -> None:
         creq, ti = begin(st, req, parse_chat)
+        st.check_priority([creq.priority])
         apply_template_defaults(creq, st.settings.default_chat_template_kwargs)
         prompt = render_chat(ti.tokenizer, creq, max_tokens=st.context_len,
                              trust_request_template=st.settings.trust_request_chat_template)
@@ -77,6 +78,7 @@ class Completions:
         st = self.state
         with Admission(st) as adm:
             creq, ti = begin(st, req, parse_completion)
+            st.check_priority([creq.priority])
             reqs, echo_texts = completion_to_engine_requests(creq, ti.tokenizer, st.context_len,
                                                              st.engine.model_info.vocab_size)
             sub = submit(st, reqs, lambda f: engine_field_to_openai(f, "prompt"), admission=adm, req=req)

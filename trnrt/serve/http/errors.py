@@ -68,13 +68,14 @@ class APIError(Exception):
     """
 
     def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
-                 code: str | int | None = None):
+                 code: str | int | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.type = type_
         self.code = code
+        self.headers = dict(headers or {})  # extra response headers (e.g. QUEUE_FULL_HEADERS)
 
     def to_dict(self) -> dict:
         return error_body(self.status, self.message, self.param, self.type, self.code)
@@ -86,6 +87,8 @@ class APIError(Exception):
         resp.text = json.dumps(ex.to_dict(), ensure_ascii=False)
         if ex.status == 401:
             resp.set_header("WWW-Authenticate", "Bearer")
+        for k, v in ex.headers.items():
+            resp.set_header(k, v)
 
 
 # The name every OpenAI route uses; the envelope is the default one.
@@ -103,11 +106,31 @@ class SGLangContractError(APIError):
 
 
 class SGLangObjectError(APIError):
-    """SGLang's HTTPException envelope for system aborts: `{"object": "error", ...}`."""
+    """SGLang's HTTPException envelope for system aborts: `{"object": "error", ...}` (SGLang's
+    OpenAI routes answer them in the same shape, their ErrorResponse)."""
 
     def to_dict(self) -> dict:
         return {"object": "error", "message": safe(self.message), "type": str(self.status), "param": self.param,
                 "code": self.status}
+
+
+# SGLang 0.5.23's messages for a request the engine could not queue (503 system aborts).
+QUEUE_FULL_MESSAGE = "The request queue is full."
+DISPLACED_MESSAGE = "The request is aborted by a higher priority request."
+QUEUE_FULL_MESSAGES = (QUEUE_FULL_MESSAGE, DISPLACED_MESSAGE)
+# Marks a 503 that means "alive but full, retry" (engine queue full, a waiting request displaced,
+# the HTTP layer at capacity), so a router can tell it from a dead or stopping engine.
+QUEUE_FULL_HEADERS = {"Retry-After": "1", "X-Trnrt-Queue-Full": "1"}
+# SGLang's refusal of a `priority` under --abort-on-priority-when-disabled.
+PRIORITY_DISABLED_MESSAGE = "Using priority is disabled for this server. Please send a new request without a priority."
+
+
+def system_abort(status: int, message: str) -> SGLangObjectError:
+    """A system abort (a finish with a status code) as SGLang answers it, on every generation
+    route: `{"object": "error", "message", "type": "<status>", "param": null, "code": <status>}`,
+    with QUEUE_FULL_HEADERS when the engine could not queue the request."""
+    headers = QUEUE_FULL_HEADERS if status == 503 and message in QUEUE_FULL_MESSAGES else None
+    return SGLangObjectError(status, message, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

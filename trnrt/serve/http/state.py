@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from trnrt.engine.client import EngineClient
-from trnrt.serve.http.errors import OpenAIError
+from trnrt.serve.http.errors import PRIORITY_DISABLED_MESSAGE, QUEUE_FULL_HEADERS, OpenAIError, SGLangObjectError
 
 TOOL_CALL_PARSERS = ("glm47", "glm45")
 REASONING_PARSERS = ("glm45",)
@@ -46,6 +46,12 @@ class ServeSettings:
     trust_request_chat_template: vLLM's --trust-request-chat-template. When set, a chat request's
         own `chat_template` (top level or in chat_template_kwargs) is rendered in a bounded
         sandbox (trnrt.serve.protocol.template_sandbox); otherwise it is a 400.
+    enable_priority_scheduling / abort_on_priority_when_disabled: the engine's scheduling flags
+        (SGLang's; the CLI copies them from SchedulerConfig). Without priority scheduling a
+        request's `priority` is ignored, unless abort_on_priority_when_disabled: then such a
+        request is refused with SGLang's 503 before it is tokenized.
+    enable_hierarchical_cache: the engine keeps a host tier of its prefix cache (SGLang's
+        --enable-hierarchical-cache); `/generate` then reports `meta_info.cached_tokens_details`.
     """
 
     served_model_name: str | None = None
@@ -66,6 +72,9 @@ class ServeSettings:
     server_args: dict = field(default_factory=dict)
     health_generate_timeout_s: float = 20.0
     trust_request_chat_template: bool = False
+    enable_priority_scheduling: bool = False
+    abort_on_priority_when_disabled: bool = False
+    enable_hierarchical_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
@@ -149,12 +158,21 @@ class ServeState:
         if name is not None and name != self.model_name:
             raise OpenAIError(404, f"The model `{name}` does not exist.", "model", code="model_not_found")
 
+    def check_priority(self, priorities) -> None:
+        """SGLang's --abort-on-priority-when-disabled: a request that sets `priority` on a server
+        without priority scheduling gets 503 (SGLang's system-abort envelope on every route).
+        Otherwise a priority is passed on (and ignored by the engine when scheduling is off)."""
+        s = self.settings
+        if (not s.enable_priority_scheduling and s.abort_on_priority_when_disabled
+                and any(p is not None for p in priorities)):
+            raise SGLangObjectError(503, PRIORITY_DISABLED_MESSAGE)
+
     def acquire(self) -> None:
         """Admit one generation request or answer 503 (the HTTP layer is at capacity)."""
         with self._lock:
             if self._active >= self.settings.max_concurrent_requests:
                 raise OpenAIError(503, "The server is at capacity (max_concurrent_requests); retry later.",
-                                  type_="service_unavailable")
+                                  type_="service_unavailable", headers=QUEUE_FULL_HEADERS)
             self._active += 1
 
     def release(self) -> None:

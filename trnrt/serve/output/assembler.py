@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trnrt.engine.outputs import RequestOutput
-from trnrt.serve.http.errors import APIError
+from trnrt.serve.http.errors import APIError, system_abort
 from trnrt.serve.output.reasoning import ReasoningParser
 from trnrt.serve.output.tool_calls import ToolCallParser
 
@@ -83,7 +83,8 @@ class TokenCounter:
     def __init__(self, n_prompt: int, ti=None, count_reasoning: bool = False, forced: bool = False):
         self.n_prompt = n_prompt
         self.num_output = 0
-        self.num_cached = 0
+        self.num_cached = 0  # prompt tokens served from the prefix cache (both tiers)
+        self.num_cached_host = 0  # of those, tokens brought back from the host tier
         self.count_reasoning = count_reasoning
         self.in_reasoning = count_reasoning and forced
         self.reasoning_tokens = 0
@@ -100,6 +101,7 @@ class TokenCounter:
         if o.num_prompt_tokens:
             self.n_prompt = o.num_prompt_tokens
         self.num_cached = o.num_cached_tokens or self.num_cached
+        self.num_cached_host = getattr(o, "num_cached_tokens_host", 0) or self.num_cached_host
         if not self.count_reasoning:
             return
         for t in o.new_token_ids:
@@ -131,8 +133,9 @@ def finish_of(o: RequestOutput) -> Finish:
     """The finish of a finished output, or raise the APIError it stands for.
 
     An engine error is a 500 and a system abort (one with a status code: the server shutting
-    down, a full queue) that status; a client or admin abort (`/abort_request`) is a normal finish
-    with reason "abort" and the output so far, as SGLang answers it.
+    down, a full queue) that status, in SGLang's `{"object": "error", ...}` envelope with the
+    engine's message (`system_error`); a client or admin abort (`/abort_request`) is a normal
+    finish with reason "abort" and the output so far, as SGLang answers it.
     """
     fr = o.finish_reason
     if fr is None:
@@ -140,14 +143,26 @@ def finish_of(o: RequestOutput) -> Finish:
     if fr.type == "abort":
         if o.error:
             raise APIError(500, f"The request failed in the engine: {o.error}", type_="internal_error")
-        status = getattr(fr, "status_code", None)
-        if status:
-            raise APIError(status, f"The request was aborted by the server: {fr.message or 'aborted'}",
-                           type_="service_unavailable" if status == 503 else None)
+        err = system_error(o)
+        if err is not None:
+            raise err
         return Finish("abort", message=fr.message or "Aborted")
     if fr.type == "length":
         return Finish("length", length=o.num_output_tokens)
     return Finish("stop", matched=fr.matched)
+
+
+def system_error(o: RequestOutput | None) -> APIError | None:
+    """The HTTP error of a system abort (an abort finish carrying a status code: queue full, a
+    waiting request displaced by a higher priority one, shutdown), SGLang's envelope and message;
+    None for anything else."""
+    fr = o.finish_reason if o is not None else None
+    if fr is None or fr.type != "abort" or o.error:
+        return None
+    status = getattr(fr, "status_code", None)
+    if not status:
+        return None
+    return system_abort(status, fr.message or "aborted")
 
 
 def usage(prompt: int, completion: int, reasoning: int | None, cached: int = 0) -> dict:

@@ -18,9 +18,38 @@ _SECTIONS = (
     ("lora", "lora"),
     ("disaggregation", "disagg"),
     ("queues", "queues"),
+    ("prefix_cache", "cache"),  # trnrt's; only while the engine runs a prefix cache
 )
 # Prometheus names of a section's figures: sglang_<prefix>_<key> (SGLang's v1_loads.py).
 _PROM_PREFIX = {"speculative": "spec", "disaggregation": "disagg"}
+
+
+def prefix_cache_section(load: dict) -> dict | None:
+    """The `prefix_cache` section (trnrt's; SGLang has no such section), or None while the engine
+    runs without a prefix cache (the section then does not apply and is left out). Pages and
+    checkpoints of the device pool and of the host tier (0 without --enable-hierarchical-cache);
+    `*_tokens` are the pages times the page size. The hit rate is the core `cache_hit_rate`."""
+    if not load.get("prefix_cache"):
+        return None
+    page = int(load.get("page_size", 0))
+
+    def n(key: str) -> int:
+        return int(load.get(key, 0) or 0)
+
+    return {
+        "page_size": page,
+        "num_cached_pages": n("num_cached_pages"),
+        "num_evictable_pages": n("num_evictable_pages"),
+        "num_cached_tokens": n("num_cached_pages") * page,
+        "num_evictable_tokens": n("num_evictable_pages") * page,
+        "num_used_checkpoints": n("num_used_checkpoints"),
+        "num_total_checkpoints": n("num_total_checkpoints"),
+        "num_host_used_pages": n("num_host_used_pages"),
+        "num_host_total_pages": n("num_host_total_pages"),
+        "num_host_used_checkpoints": n("num_host_used_checkpoints"),
+        "num_host_total_checkpoints": n("num_host_total_checkpoints"),
+        "cache_hit_rate": round(float(load.get("cache_hit_rate", 0.0)), 4),
+    }
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -74,6 +103,9 @@ def load_entry(load: dict, dp_rank: int = 0, now: float | None = None) -> dict:
         "queues": {"waiting": int(load.get("num_waiting_reqs", 0)), "grammar": 0, "paused": 0, "retracted": 0,
                    "prealloc_ready": 0},
     }
+    cache = prefix_cache_section(load)
+    if cache is not None:
+        entry["prefix_cache"] = cache
     return entry
 
 

@@ -49,7 +49,12 @@ def completion_logprobs(ti, lps: list[TokenLogprob], offset: int) -> tuple[dict,
 
 
 def openai_error_event(err: APIError) -> list[bytes]:
-    return [sse.event(err.to_dict()), sse.DONE]
+    """An error after the stream started: `data: {"error": {...}}` (SGLang's ErrorResponse inside
+    `error` for a system abort), then [DONE]."""
+    body = err.to_dict()
+    if "error" not in body:
+        body = {"error": body}
+    return [sse.event(body), sse.DONE]
 
 
 class ChatRenderer:

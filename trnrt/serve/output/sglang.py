@@ -20,6 +20,7 @@ from trnrt.engine.outputs import RequestOutput, TokenLogprob
 from trnrt.serve.http import sse
 from trnrt.serve.http.errors import APIError, SGLangObjectError
 from trnrt.serve.output.assembler import TokenCounter
+from trnrt.serve.output.assembler import system_error as _system_abort
 
 
 def finish_reason_json(o: RequestOutput) -> dict | None:
@@ -46,10 +47,7 @@ def system_error(o: RequestOutput) -> APIError | None:
         return None
     if o.error:
         return SGLangObjectError(500, f"The request failed in the engine: {o.error}")
-    status = getattr(fr, "status_code", None)
-    if status:
-        return SGLangObjectError(status, fr.message or "aborted")
-    return None
+    return _system_abort(o)
 
 
 class _Item:
@@ -69,8 +67,10 @@ class _Item:
 class GenerateRenderer:
     """One /generate HTTP request (one item or a batch)."""
 
-    def __init__(self, ti, greq, engine_reqs, t_start: float, incremental: bool = False):
+    def __init__(self, ti, greq, engine_reqs, t_start: float, incremental: bool = False,
+                 cache_details: bool = False):
         self.ti, self.greq = ti, greq
+        self.cache_details = cache_details  # meta_info.cached_tokens_details (hierarchical cache on)
         self.items = [_Item(r.request_id, len(r.prompt_token_ids), r.prompt_token_ids) for r in engine_reqs]
         self.t_start = t_start  # monotonic, when the HTTP request arrived (for e2e_latency)
         self.incremental = incremental
@@ -111,6 +111,9 @@ class GenerateRenderer:
         meta = {"id": it.rid, "finish_reason": finish_reason_json(o) if o is not None else None,
                 "prompt_tokens": c.n_prompt, "weight_version": "default", "num_retractions": 0,
                 "reasoning_tokens": 0, "completion_tokens": c.num_output, "cached_tokens": c.num_cached}
+        if self.cache_details:  # SGLang: per tier, with the hierarchical cache
+            host = min(c.num_cached_host, c.num_cached)
+            meta["cached_tokens_details"] = {"device": c.num_cached - host, "host": host}
         if self.greq.items[i].return_logprob:
             meta.update(self._logprob_fields(i, lps))
         if o is not None and o.finished:

@@ -15,8 +15,9 @@ from trnrt.serve.http.errors import bad_request, safe
 
 log = logging.getLogger("trnrt.serve")
 
-# /v1/loads `include=` tokens (SGLang's LoadSnapshot.VALID_SECTIONS).
-LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+# /v1/loads `include=` tokens (SGLang's LoadSnapshot.VALID_SECTIONS, plus trnrt's `cache`: the
+# prefix_cache section).
+LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "cache", "all")
 LOAD_FORMATS = ("json", "prometheus")
 
 

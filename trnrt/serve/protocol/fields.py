@@ -132,6 +132,25 @@ def read_id_list(body: dict, name: str, *, label: str | None = None, err: ErrorF
     return list(v)
 
 
+PRIORITY_MIN, PRIORITY_MAX = -(2 ** 63), 2 ** 63 - 1  # SGLang's priorities are C longs at most
+
+
+def check_priority(v, label: str = "priority", err: ErrorFactory = bad_request, *,
+                   lax: bool = False) -> int | None:
+    """SGLang's `priority`: null or an integer within 64 bits; a bool or a fractional float is a
+    400 naming the field. `lax` takes an integral float (2.0) as an integer, as the OpenAI
+    routes read every integer (SGLang's pydantic models do); /generate's contract does not."""
+    if v is None:
+        return None
+    if lax and isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not is_int(v):
+        raise err(f"{label} must be an integer, got {v!r}", label)
+    if not PRIORITY_MIN <= v <= PRIORITY_MAX:
+        raise err(f"{label} must fit in 64 bits, got {v}", label)
+    return v
+
+
 def _neutral(want: Any) -> Callable[[Any], bool]:
     """A value test: equal to `want` *and* of its JSON type (True is not 1, False is not 0)."""
     def test(v) -> bool:
@@ -175,7 +194,6 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "suffix": _neutral(""),
     "return_hidden_states": _neutral(False),
     "parallel_tool_calls": _neutral(True),
-    "priority": _neutral(0),
     "prompt_logprobs": _never,
     "logprob_start_len": _never,
     "lora_path": _never,

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from trnrt.engine.request import GenerateRequest, SamplingParams
 from trnrt.serve.http.errors import OpenAIError, bad_request, safe, unsupported
-from trnrt.serve.protocol.fields import NEUTRAL, check_unicode_tree, is_int as _is_int, is_text, read_bool as _bool
+from trnrt.serve.protocol.fields import NEUTRAL, check_priority, check_unicode_tree, is_int as _is_int, is_text
+from trnrt.serve.protocol.fields import read_bool as _bool
 from trnrt.serve.protocol.fields import read_int as _int, read_str as _str, refuse_unserved
 from trnrt.serve.protocol.chat_template import encode_text
 from trnrt.serve.protocol.sampling import OPENAI, check_sampling, read_sampling
@@ -73,6 +74,7 @@ class CommonRequest:
     params: SamplingParams
     max_tokens_param: str = "max_tokens"  # the spelling the client used, for error messages
     rid: str | None = None  # the engine request id the client chose (SGLang `rid`, vLLM `request_id`)
+    priority: int | None = None  # SGLang's scheduling priority (None: the server's default)
 
 
 @dataclass
@@ -123,7 +125,7 @@ def _common(body: dict, max_tokens: int | None) -> tuple[CommonRequest, dict]:
     if rid is not None and not rid:
         raise bad_request("rid must be a non-empty string", "rid" if "rid" in body else "request_id")
     common = CommonRequest(model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-                           params=params, rid=rid)
+                           params=params, rid=rid, priority=check_priority(body.get("priority"), lax=True))
     return common, body
 
 
@@ -379,7 +381,7 @@ def chat_to_engine_request(creq: ChatRequest, prompt_ids: list[int], ctx: int, v
     creq.params.max_new_tokens = context_check(ctx, creq, len(prompt_ids), "messages")
     check_sampling(creq.params, vocab_size, OPENAI)
     kw = {"request_id": creq.rid} if creq.rid else {}
-    return GenerateRequest(prompt_ids, creq.params, stream=creq.stream, **kw)
+    return GenerateRequest(prompt_ids, creq.params, stream=creq.stream, priority=creq.priority, **kw)
 
 
 def completion_to_engine_requests(creq: CompletionRequest, tokenizer, ctx: int, vocab_size: int
@@ -404,7 +406,7 @@ def completion_to_engine_requests(creq: CompletionRequest, tokenizer, ctx: int, 
         kw = {}
         if creq.rid:  # several prompts: SGLang's batch rule, rid_i
             kw["request_id"] = creq.rid if len(creq.prompts) == 1 else f"{creq.rid}_{i}"
-        reqs.append(GenerateRequest(ids, params, stream=creq.stream, **kw))
+        reqs.append(GenerateRequest(ids, params, stream=creq.stream, priority=creq.priority, **kw))
     return reqs, echo_texts
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from trnrt.engine.request import GenerateRequest, SamplingParams
 from trnrt.serve.http.errors import SGLangContractError, bad_request, safe, unsupported
 from trnrt.serve.protocol.chat_template import encode_text
-from trnrt.serve.protocol.fields import (NEUTRAL, is_int, is_text, read_bool, read_int, refuse_unserved)
+from trnrt.serve.protocol.fields import (NEUTRAL, check_priority, is_int, is_text, read_bool, read_int,
+                                         refuse_unserved)
 from trnrt.serve.protocol.sampling import SGLANG, check_sampling, read_sampling
 
 log = logging.getLogger("trnrt.serve")
@@ -43,7 +44,7 @@ _UNSERVED_SAMPLING = [k for k in SAMPLING_KEYS if k not in SERVED_SAMPLING_KEYS]
 # (value -> neutral test). Anything else at the top level is ignored with a warning.
 _TOP_SERVED = {"text", "input_ids", "sampling_params", "rid", "stream", "return_logprob", "logprob_start_len",
                "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "return_prompt_token_ids",
-               "log_metrics", "extra_key", "cache_salt", "model"}
+               "log_metrics", "extra_key", "cache_salt", "model", "priority"}
 
 
 def _none_or(*neutral):
@@ -57,7 +58,6 @@ _TOP_REFUSED = {
     "audio_data": _none_or([]),
     "modalities": _none_or([], ["text"]),
     "return_hidden_states": _none_or(False),
-    "priority": _none_or(0),
     "custom_logit_processor": _none_or(),
     "lora_path": _none_or(),
     "lora_id": _none_or(),
@@ -77,7 +77,6 @@ _WHY = {
     "max_thinking_tokens": "requires the server to be launched with --enable-strict-thinking (not served yet)",
     "logprob_start_len": "needs prompt logprobs, which this server does not serve yet (only -1)",
     "token_ids_logprob": "needs per-token-id logprobs, which this server does not serve yet",
-    "priority": "needs priority scheduling, which this server does not serve yet (only 0)",
 }
 
 
@@ -98,6 +97,7 @@ class GenerateItem:
     return_logprob: bool
     top_logprobs_num: int
     stream_interval: int | None = None  # None: the server's --stream-interval
+    priority: int | None = None  # SGLang's scheduling priority (None: the server's default)
 
 
 @dataclass
@@ -129,6 +129,10 @@ def _check_bool(name):
             raise contract_error(f"invalid type for {name}: {v!r}, expected a boolean", name)
         return v
     return f
+
+
+def _check_priority(v):
+    return check_priority(v, "priority", contract_error)
 
 
 def _check_top_n(v):
@@ -259,6 +263,7 @@ def parse_generate(body: dict) -> GenerateRequestIn:
     return_lp = _per_item(body, "return_logprob", n, is_batch, _check_bool("return_logprob"), False)
     top_n = _per_item(body, "top_logprobs_num", n, is_batch, _check_top_n, 0)
     _per_item(body, "logprob_start_len", n, is_batch, _check_start_len, -1)
+    priorities = _per_item(body, "priority", n, is_batch, _check_priority, None)
     tid = body.get("token_ids_logprob")
     if tid not in (None, []) and not (isinstance(tid, list) and all(x in (None, []) for x in tid)):
         raise unsupported("token_ids_logprob", _WHY["token_ids_logprob"])
@@ -281,7 +286,7 @@ def parse_generate(body: dict) -> GenerateRequestIn:
                                   input_ids=id_lists[i] if id_lists is not None else None,
                                   params=params, max_new_tokens=max_new, max_new_tokens_given=given,
                                   rid=rids[i], return_logprob=return_lp[i], top_logprobs_num=top_n[i],
-                                  stream_interval=si))
+                                  stream_interval=si, priority=priorities[i]))
     return GenerateRequestIn(
         items=items, is_batch=is_batch, stream=stream,
         return_text_in_logprobs=read_bool(body, "return_text_in_logprobs", False, err=contract_error),
@@ -325,7 +330,8 @@ def to_engine_requests(greq: GenerateRequestIn, tokenizer, ctx: int, vocab_size:
         params = item.params.clone(max_new_tokens=_context_max_new(item, len(ids), ctx))
         check_sampling(params, vocab_size, SGLANG, renames={"logprobs": "top_logprobs_num"})
         kw = {"request_id": item.rid} if item.rid is not None else {}
-        out.append(GenerateRequest(list(ids), params, stream=greq.stream, stream_interval=item.stream_interval, **kw))
+        out.append(GenerateRequest(list(ids), params, stream=greq.stream, stream_interval=item.stream_interval,
+                                   priority=item.priority, **kw))
     return out
 
 

@@ -1,0 +1,122 @@
+"""`trnrt serve`'s prefix-cache and scheduling flags (SGLang 0.5.23's names and defaults): --help,
+usage errors (exit 2, naming the flag) before any model loads, and what reaches the engine."""
+
+from __future__ import annotations
+
+import pytest
+
+CACHE_FLAGS = ("--disable-radix-cache", "--checkpoint-interval", "--radix-eviction-policy",
+               "--radix-eviction-policy-config", "--enable-hierarchical-cache", "--enable-hicache", "--hicache-ratio",
+               "--hicache-size", "--hicache-write-policy")
+SCHED_FLAGS = ("--schedule-policy", "--enable-priority-scheduling", "--schedule-low-priority-values-first",
+               "--priority-scheduling-preemption-threshold", "--disable-priority-preemption",
+               "--default-priority-value", "--abort-on-priority-when-disabled", "--max-queued-requests")
+
+
+def invoke(*args: str):
+    from typer.testing import CliRunner
+
+    from trnrt.cli import app
+
+    return CliRunner().invoke(app, ["serve", "--port", "0", *args], terminal_width=200, env={"COLUMNS": "200"})
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Engine.from_model_dir replaced: records its keywords, then stops the CLI (exit 2)."""
+    from trnrt.engine import engine as engine_mod
+
+    seen: dict = {}
+
+    def fake_from_model_dir(model_dir=None, *, prefix_cache_config=None, **kw):
+        seen.update(kw, prefix_cache_config=prefix_cache_config)
+        raise ValueError("stop here")  # build_engine's ValueError path: exit 2, no server
+
+    monkeypatch.setattr(engine_mod.Engine, "from_model_dir", staticmethod(fake_from_model_dir))
+    return seen
+
+
+def test_help_lists_every_flag():
+    out = invoke("--help").output
+    for flag in CACHE_FLAGS + SCHED_FLAGS:
+        assert flag in out, flag
+    assert "--no-disable-radix-cache" not in out  # plain switches, as in SGLang
+
+
+@pytest.mark.parametrize("args,flag,text", [
+    (["--enable-priority-scheduling", "--schedule-policy", "lpm"], "--schedule-policy",
+     "To use priority scheduling, schedule_policy must be 'fcfs' or 'lof'."),
+    (["--enable-priority-scheduling", "--schedule-policy", "random"], "--schedule-policy", "must be 'fcfs' or 'lof'"),
+    (["--schedule-policy", "priority"], "--schedule-policy", "not one of"),
+    (["--radix-eviction-policy", "mru"], "--radix-eviction-policy", "not one of"),
+    (["--radix-eviction-policy-config", "{oops"], "--radix-eviction-policy-config", "not valid JSON"),
+    (["--radix-eviction-policy-config", "[1, 2]"], "--radix-eviction-policy-config", "must be a JSON object"),
+    (["--hicache-write-policy", "write_through_selective"], "--hicache-write-policy", "not one of"),
+    (["--hicache-ratio", "0"], "--hicache-ratio", "must be > 0"),
+    (["--hicache-size", "-1"], "--hicache-size", ""),
+    (["--checkpoint-interval", "17"], "--checkpoint-interval", "multiple of the block size"),
+    (["--checkpoint-interval", "-16"], "--checkpoint-interval", ""),
+    (["--enable-hicache", "--disable-radix-cache"], "--enable-hierarchical-cache", "mutually exclusive"),
+    (["--priority-scheduling-preemption-threshold", "x"], "--priority-scheduling-preemption-threshold", ""),
+    (["--default-priority-value", "1.5"], "--default-priority-value", ""),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_values_are_usage_errors(captured, args, flag, text):
+    r = invoke(*args)
+    assert r.exit_code == 2, r.output
+    assert flag in r.output and text in " ".join(r.output.split()), r.output
+    assert not captured  # refused before the engine (the model) was built
+
+
+def test_flags_reach_the_engine(captured):
+    from trnrt.engine.cache_config import PrefixCacheConfig
+    from trnrt.engine.scheduler import SchedulerConfig
+
+    r = invoke("--checkpoint-interval", "64", "--radix-eviction-policy", "slru",
+               "--radix-eviction-policy-config", '{"protected_threshold": 4}', "--enable-hicache",
+               "--hicache-ratio", "3", "--hicache-size", "2", "--hicache-write-policy", "write_back",
+               "--schedule-policy", "lof", "--enable-priority-scheduling", "--schedule-low-priority-values-first",
+               "--priority-scheduling-preemption-threshold", "5", "--disable-priority-preemption",
+               "--default-priority-value", "-3", "--abort-on-priority-when-disabled", "--max-queued-requests", "7",
+               "--max-running-requests", "4")
+    assert r.exit_code == 2 and "stop here" in r.output, r.output
+    assert captured["prefix_cache_config"] == PrefixCacheConfig(
+        enabled=True, checkpoint_interval=64, eviction_policy="slru", eviction_policy_config={"protected_threshold": 4},
+        hierarchical=True, hicache_ratio=3.0, hicache_size_mb=2048, write_policy="write_back")
+    scfg = captured["scheduler_config"]
+    assert isinstance(scfg, SchedulerConfig)
+    assert (scfg.schedule_policy, scfg.enable_priority_scheduling, scfg.schedule_low_priority_values_first,
+            scfg.priority_preemption_threshold, scfg.disable_priority_preemption, scfg.default_priority_value,
+            scfg.abort_on_priority_when_disabled, scfg.max_queued_requests) == ("lof", True, True, 5, True, -3, True, 7)
+    assert scfg.max_num_seqs == 4 == captured["max_running_requests"]  # the preset's resolution is kept
+
+
+def test_defaults_are_sglangs(captured):
+    from trnrt.cli.serve import ServeArgs
+    from trnrt.engine.cache_config import PrefixCacheConfig
+
+    r = invoke()
+    assert r.exit_code == 2 and "stop here" in r.output, r.output
+    assert captured["prefix_cache_config"] == PrefixCacheConfig()  # the radix cache is on, lru, no host tier
+    scfg = captured["scheduler_config"]
+    assert (scfg.schedule_policy, scfg.enable_priority_scheduling, scfg.priority_preemption_threshold,
+            scfg.default_priority_value, scfg.max_queued_requests) == ("fcfs", False, 10, None, None)
+    invoke("--disable-radix-cache")
+    assert captured["prefix_cache_config"].enabled is False
+    # admission: 2 x running without a queue limit; with one, the engine answers past it
+    assert ServeArgs(max_running_requests=4).max_concurrent_requests == 8
+    assert ServeArgs(max_running_requests=4, max_queued_requests=2).max_concurrent_requests == 4 + 2 + 8
+
+
+def test_scripted_engine_gets_the_scheduling_flags(tok_dir):
+    from trnrt.cli.serve import ServeArgs, build_engine
+
+    args = ServeArgs(model=str(tok_dir), scripted=True, max_running_requests=2, max_queued_requests=3,
+                     enable_priority_scheduling=True, schedule_policy="lof", default_priority_value=1)
+    engine, _ = build_engine(args)
+    try:
+        s = engine.scheduler_config
+        assert (s.max_num_seqs, s.max_queued_requests, s.enable_priority_scheduling, s.schedule_policy,
+                s.default_priority_value) == (2, 3, True, "lof", 1)
+        assert engine.server_info()["scheduler_config"]["max_queued_requests"] == 3
+    finally:
+        engine.shutdown(0.0)
