@@ -271,3 +271,121 @@ def test_one_token_difference_is_never_served_from_the_cache(tok, eos, engines):
         assert out_on == out_off, pos
         assert cached == (pos // 32) * 32, (pos, cached)
     assert_books(on)
+
+
+# -- scheduling policies in the engine ------------------------------------------------------------
+
+
+def _sub(engine, prompt, rid, max_new=24, priority=None):
+    return engine.submit(GenerateRequest(prompt_token_ids=prompt, request_id=rid, priority=priority, stream=False,
+                                         sampling_params=SamplingParams(max_new_tokens=max_new, ignore_eos=True)))
+
+
+def _final(stream):
+    ids = []
+    while True:
+        o = stream.get(timeout=TIMEOUT_S)
+        assert o is not None
+        ids += o.new_token_ids
+        if o.finished:
+            return ids, o
+
+
+def test_priority_preemption_keeps_the_output(tok, eos, engines):
+    """A high-priority arrival preempts the running low-priority request (max 1 running); the
+    preempted one resumes (through the cache) and its output equals an undisturbed run."""
+    vocab = tok.get_vocab_size()
+    rng = random.Random(21)
+    low_p = [t for t in (rng.randrange(vocab) for _ in range(80)) if t != eos][:50]
+    high_p = [t for t in (rng.randrange(vocab) for _ in range(80)) if t != eos][:40]
+    ref = engines(None, max_running_requests=1)
+    ref_low, _ = _final(_sub(ref, low_p, "l", max_new=100))
+    scfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=1024,
+                           max_prefill_chunk_tokens=64, enable_priority_scheduling=True)
+    e = engines(CACHE, max_running_requests=1, scheduler_config=scfg)
+    e.runner.step_delay_s = 0.002
+    low = _sub(e, low_p, "low", max_new=100, priority=0)
+    deadline = time.monotonic() + TIMEOUT_S
+    while e.scheduler.get_sequence("low") is None or e.scheduler.get_sequence("low").num_output_tokens < 40:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    high = _sub(e, high_p, "high", max_new=10, priority=20)  # better by 20 > threshold 10
+    high_ids, high_out = _final(high)
+    low_ids, low_out = _final(low)
+    e.runner.step_delay_s = 0.0
+    assert e.scheduler.num_priority_preemptions == 1
+    assert low_ids == ref_low and low_out.finish_reason.type == "length"
+    assert len(high_ids) == 10
+    assert e.runner.num_cache_ops.get("load_slot", 0) >= 1  # resumed from its decode checkpoint
+    assert_books(e)
+
+
+def test_priority_within_threshold_does_not_preempt(tok, eos, engines):
+    scfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=1024,
+                           max_prefill_chunk_tokens=64, enable_priority_scheduling=True)
+    e = engines(CACHE, max_running_requests=1, scheduler_config=scfg)
+    e.runner.paused.set()
+    low = _sub(e, [5] * 40, "low", max_new=30, priority=0)
+    time.sleep(0.05)
+    high = _sub(e, [6] * 40, "high", max_new=5, priority=10)  # better by exactly the threshold
+    e.runner.paused.clear()
+    _final(low), _final(high)
+    assert e.scheduler.num_priority_preemptions == 0
+    assert_books(e)
+
+
+def test_queue_full_and_displacement(tok, eos, engines):
+    scfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=1024,
+                           max_prefill_chunk_tokens=64, max_queued_requests=1)
+    e = engines(CACHE, max_running_requests=1, scheduler_config=scfg)
+    e.runner.paused.set()
+    a = _sub(e, [5] * 20, "a")
+    deadline = time.monotonic() + TIMEOUT_S
+    while e.runner.paused.holding.is_set() is False:  # "a" is running, held in its step
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    b = _sub(e, [6] * 20, "b")  # waits (1 queued)
+    c = _sub(e, [7] * 20, "c")  # the queue is full (both reach the engine together, after the step)
+    e.runner.paused.clear()
+    _, c_out = _final(c)
+    assert c_out.finish_reason.message == "The request queue is full." and c_out.finish_reason.status_code == 503
+    assert e.scheduler.num_queue_full == 1
+    assert _final(a)[1].finish_reason.type == "length" and _final(b)[1].finish_reason.type == "length"
+    assert_books(e)
+    # with priority scheduling a better arrival displaces the worst waiting request
+    scfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=1024,
+                           max_prefill_chunk_tokens=64, max_queued_requests=1, enable_priority_scheduling=True,
+                           disable_priority_preemption=True)
+    e = engines(CACHE, max_running_requests=1, scheduler_config=scfg)
+    e.runner.paused.set()
+    a = _sub(e, [5] * 20, "a", priority=0)
+    while e.runner.paused.holding.is_set() is False:
+        time.sleep(0.001)
+    b = _sub(e, [6] * 20, "b", priority=1)
+    c = _sub(e, [7] * 20, "c", priority=5)
+    d = _sub(e, [8] * 20, "d", priority=2)  # worse than c, which now waits: refused
+    e.runner.paused.clear()
+    _, b_out = _final(b)
+    _, d_out = _final(d)
+    assert b_out.finish_reason.message == "The request is aborted by a higher priority request."
+    assert b_out.finish_reason.status_code == 503
+    assert d_out.finish_reason.message == "The request queue is full."
+    assert _final(c)[1].finish_reason.type == "length"
+    _final(a)
+    assert_books(e)
+
+
+@pytest.mark.parametrize("name", ["fcfs", "lof", "random", "lpm", "dfs-weight"])
+def test_every_policy_serves_everything(tok, eos, engines, name):
+    """Each policy runs a mixed burst to completion with the same outputs (order may differ)."""
+    vocab = tok.get_vocab_size()
+    scfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=1024,
+                           max_prefill_chunk_tokens=64, schedule_policy=name, random_seed=3)
+    e = engines(CACHE, max_running_requests=2, scheduler_config=scfg)
+    ref = engines(None, max_running_requests=2)
+    starts, nxt = conversations(vocab, eos, 6, seed=17)
+    prompts = [p + nxt() for p in starts] + [starts[0] + nxt(), starts[1] + nxt()]
+    run(e, starts, rid="warm")
+    assert [o for o, _ in run(e, prompts)] == [o for o, _ in run(ref, prompts)]
+    assert e.scheduler.active_policy == name
+    assert_books(e)

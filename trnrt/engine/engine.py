@@ -725,6 +725,9 @@ class Engine:
             self._finish_stream(rid, stream, RequestOutput(
                 rid, finished=True, finish_reason=FinishReason("abort", message=str(e)), error=str(e)))
             return
+        for displaced in self.scheduler.take_finished():  # a full queue gave its place to this one
+            self._abort(displaced.request_id, displaced.finish_reason.message or "aborted",
+                        status_code=displaced.finish_reason.status_code)
         # Stamp the arrival at submit() (arrival_time_s, time.monotonic like the collector's clock),
         # not now: a request submitted mid-step waited in the inbox, and TTFT/queue/E2E include that.
         self.stats_collector.on_request_arrived(rid, len(request.prompt_token_ids), now=request.arrival_time_s)

@@ -29,6 +29,7 @@ from typing import Callable, Iterable
 from trnrt.engine.cache_manager import CacheManager, IdPool
 from trnrt.engine.outputs import CacheOp, RunnerOutput, ScheduledSequence, SchedulerOutput, TokenLogprob
 from trnrt.engine.request import FinishReason, GenerateRequest, InvalidRequestError, check_context_length
+from trnrt.engine import schedule_policy as policy
 from trnrt.engine.sequence import Sequence, SequenceStatus
 from trnrt.engine.stop import StopChecker
 
@@ -172,6 +173,15 @@ class Scheduler:
                 raise ValueError(f"checkpoint_interval must be a positive multiple of the block size "
                                  f"({cache.block_size}), got {checkpoint_interval!r}")
         self.checkpoint_interval = checkpoint_interval
+        self.active_policy = policy.validate_policy(config, cache_enabled=prefix_cache is not None)
+        self._rng = policy.make_rng(config)
+        # fcfs without priorities is the queue's own order: no sort, decisions exactly as before
+        self._reorders = config.schedule_policy != "fcfs" or config.enable_priority_scheduling
+        # Requests the scheduler itself ended outside update_from_output (displaced from a full
+        # queue by a better one): the engine takes them with take_finished() and emits their end.
+        self._ended: list[Sequence] = []
+        self.num_priority_preemptions = 0
+        self.num_queue_full = 0
         # request id -> (end position, checkpoint id) of the snapshot its scheduled row will take
         self._pending_snapshots: dict[str, tuple[int, int]] = {}
         self.num_prompt_tokens_admitted = 0  # first admissions only
@@ -211,6 +221,21 @@ class Scheduler:
             sampling_params=request.sampling_params,
             arrival_time_s=request.arrival_time_s if request.arrival_time_s is not None else now,
         )
+        seq.priority = request.priority
+        refusal = policy.priority_refusal(request.priority, self.config)
+        if refusal is None and request.sampling_params.max_new_tokens != 0:
+            ok, displaced = policy.queue_admission(self.waiting, seq, self.config)
+            if not ok:
+                refusal = policy.QUEUE_FULL_MESSAGE
+                self.num_queue_full += 1
+            elif displaced is not None:
+                self._finish(displaced, FinishReason("abort", message=policy.DISPLACED_MESSAGE, status_code=503))
+                self._ended.append(displaced)
+        if refusal is not None:  # SGLang answers these with 503 before the request runs
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = FinishReason("abort", message=refusal, status_code=503)
+            seq.finished_time_s = now
+            return seq
         if request.sampling_params.max_new_tokens == 0:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = FinishReason("length")
@@ -219,6 +244,12 @@ class Scheduler:
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
         return seq
+
+    def take_finished(self) -> list[Sequence]:
+        """Sequences the scheduler ended by itself since the last call (displaced from a full
+        queue); the engine emits their final output."""
+        ended, self._ended = self._ended, []
+        return ended
 
     def get_sequence(self, request_id: str) -> Sequence | None:
         return self.requests.get(request_id)
@@ -341,8 +372,17 @@ class Scheduler:
         # running sequences that needed them (admitting would preempt again next step).
         if not preempted:
             now = self.clock()
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            if self._reorders and len(self.waiting) > 1:
+                self.waiting = deque(policy.order_waiting(
+                    self.waiting, cfg, match=self._match_for_policy if self.prefix_cache is not None else None,
+                    rng=self._rng))
+            while self.waiting and budget > 0:
                 seq = self.waiting[0]
+                if len(self.running) >= cfg.max_num_seqs:
+                    if not self._preempt_for(seq, 0, entries):
+                        break
+                    budget = cfg.max_num_batched_tokens - sum(e.num_new_tokens for e in entries.values())
+                    continue
                 match = self._match(seq)
                 num_new = self._num_new_tokens(seq, budget)
                 if num_new < seq.num_uncomputed_tokens and not cfg.chunked_prefill:
@@ -351,7 +391,11 @@ class Scheduler:
                 extra = match.num_host_pages if match is not None else 0
                 if not self._can_allocate_for(seq, seq.num_computed_tokens + num_new, extra_pages=extra,
                                               shared=match):
+                    need = self.cache.num_blocks_for(seq.num_computed_tokens + num_new) + extra
                     self._unmatch(seq, match)
+                    if self._preempt_for(seq, need * self.cache.block_size, entries):
+                        budget = cfg.max_num_batched_tokens - sum(e.num_new_tokens for e in entries.values())
+                        continue
                     break
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
@@ -371,6 +415,36 @@ class Scheduler:
         if self.prefix_cache is not None:
             out.cache_ops = self.prefix_cache.take_ops()
         return out
+
+    def _match_for_policy(self, seq: Sequence):
+        """(matched tokens, node) for the cache-aware policies; touches nothing, locks nothing."""
+        if seq.num_tokens < 2:
+            return 0, None
+        m = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1), touch=False)
+        return m.num_tokens, m.node
+
+    def _preempt_for(self, incoming: Sequence, tokens_needed: int, entries: dict) -> bool:
+        """Priority preemption (SGLang's preempt_to_schedule): preempt running sequences worse
+        than `incoming` by more than the threshold until it fits. Victims scheduled earlier in
+        this step are taken back. Returns whether anything was preempted."""
+        if not self.config.enable_priority_scheduling or self.config.disable_priority_preemption:
+            return False
+        bs = self.cache.block_size
+        victims = policy.preemption_victims(
+            self.running, incoming, self.config, tokens_needed,
+            # only pages no one else holds come free
+            lambda s: bs * sum(1 for b in s.block_ids if self.cache.ref_count(b) == 1))
+        if not victims:
+            return False
+        head = self.waiting.popleft()
+        assert head is incoming
+        for v in victims:
+            self._preempt(v)
+            entries.pop(v.request_id, None)
+            self._drop_snapshot(v.request_id) if self.prefix_cache is not None else None
+            self.num_priority_preemptions += 1
+        self.waiting.appendleft(incoming)
+        return True
 
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_uncomputed_tokens, budget)
