@@ -325,7 +325,6 @@ BAD = [
     ("lora", {"text": "a", "lora_path": "x"}, 400, VALUE, "lora_path"),
     ("hidden-states", {"text": "a", "return_hidden_states": True}, 400, VALUE, "return_hidden_states"),
     ("max-thinking", {"text": "a", "max_thinking_tokens": 10}, 400, VALUE, "max_thinking_tokens"),
-    ("priority", {"text": "a", "priority": 5}, 400, VALUE, "priority"),
     ("dp-rank", {"text": "a", "routed_dp_rank": 1}, 400, VALUE, "routed_dp_rank"),
     ("text-in-logprobs-str", {"text": "a", "return_text_in_logprobs": "y"}, 400, CONTRACT,
      "return_text_in_logprobs"),

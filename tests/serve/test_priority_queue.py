@@ -186,13 +186,6 @@ def assert_queue_full(result, message: str = QUEUE_FULL) -> None:
     assert headers.get("Content-Type", "").startswith("application/json"), headers  # not an SSE stream
 
 
-# Until the engine enforces SchedulerConfig.max_queued_requests (the lead's scheduler change),
-# these two fail; strict, so they report XPASS as failures once it lands: then drop the marker.
-needs_engine = pytest.mark.xfail(strict=True, reason="needs the engine's queue limit "
-                                 "(SchedulerConfig.max_queued_requests, priority displacement)")
-
-
-@needs_engine
 def test_queue_full_is_503_on_every_route(queued):
     """One running, one waiting (max_queued_requests=1): every further request, streamed or not,
     on every route, is refused with SGLang's 503 and the queue-full headers."""
@@ -214,7 +207,6 @@ def test_queue_full_is_503_on_every_route(queued):
         assert_queue_full(results[name])
 
 
-@needs_engine
 def test_higher_priority_displaces_the_worst_waiting_request(queued):
     srv = queued
     fired = Fired(srv)

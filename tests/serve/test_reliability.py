@@ -189,6 +189,7 @@ SAMPLING_OPENAI = [
     fld("top_p", num_in(0, 1, lo_open=True), numeric=True, extra=[("one", 1, "2xx"), ("half", 0.5, "2xx")]),
     fld("top_k", int_in(-1), numeric=True, extra=[("minus-two", -2, "4xx"), ("one", 1, "2xx")]),
     fld("min_p", num_in(0, 1), numeric=True, extra=[("above-one", 1.5, "4xx")]),
+    fld("priority", int_in(-(2**63), 2**63 - 1), numeric=True),  # served (ignored without --enable-priority-scheduling)
     fld("seed", int_in(), numeric=True, extra=[("int64-max", 2**63 - 1, "2xx"), ("below-int64", -(2**63) - 1, "2xx")]),
     fld("stop", stop_ok, text=True, extra=[("empty-string", "", "4xx"), ("empty-in-list", ["a", ""], "4xx"),
                                            ("32", ["s"] * 32, "2xx"), ("33", ["s"] * 33, "4xx"), ("empty-list", [], "2xx")]),
@@ -205,7 +206,7 @@ SAMPLING_OPENAI = [
 NEUTRAL_COMMON = [
     ("n", 1), ("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1), ("logit_bias", {}),
     ("min_tokens", 0), ("no_stop_trim", False), ("include_stop_str_in_output", False), ("return_hidden_states", False),
-    ("priority", 0), ("thinking_token_budget", -1), ("spaces_between_special_tokens", True),
+    ("thinking_token_budget", -1), ("spaces_between_special_tokens", True),
 ]
 NEVER_COMMON = ["regex", "ebnf", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                 "guided_grammar", "prompt_logprobs", "lora_path", "custom_logit_processor", "custom_params"]
@@ -360,9 +361,10 @@ GENERATE_TOP = [
     fld("extra_key", is_str, text=True),
     fld("cache_salt", is_str, text=True),
     fld("model", is_str, text=True, extra=[("other", "gpt-9", "2xx")]),  # SGLang's /generate ignores it
+    fld("priority", strict_int_in(-(2**63), 2**63 - 1), numeric=True),
     *[fld(k, strict_neutral(*w)) for k, w in [
         ("input_embeds", ()), ("image_data", ([],)), ("video_data", ([],)), ("audio_data", ([],)),
-        ("modalities", ([], ["text"])), ("return_hidden_states", (False,)), ("priority", (0,)),
+        ("modalities", ([], ["text"])), ("return_hidden_states", (False,)),
         ("custom_logit_processor", ()), ("lora_path", ()), ("lora_id", ()), ("session_params", ()), ("session_id", ()),
         ("routed_dp_rank", (0,)), ("data_parallel_rank", (0,)), ("require_reasoning", (False,)),
         ("max_thinking_tokens", ()), ("return_entropy", (False,)), ("return_routed_experts", (False,)),
