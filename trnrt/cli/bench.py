@@ -32,8 +32,25 @@ def _compiled_loader(directory: str, backend: Optional[str]):
     return load
 
 
-@app.command("bench")
+# `trnrt bench` is a group whose callback is the offline benchmark (so `trnrt bench --batch 8 ...`
+# works as before) with one subcommand, `trnrt bench serve` (trnrt.benchmark: the HTTP serving
+# benchmark, no torch).
+bench_app = typer.Typer(name="bench", rich_markup_mode="rich", pretty_exceptions_show_locals=False)
+app.add_typer(bench_app, name="bench")
+
+
+def _register_serve() -> None:
+    from trnrt.benchmark.cli import bench_serve
+
+    bench_app.command("serve", short_help="Serving benchmark over HTTP (TTFT, TPOT, ITL, throughput), like SGLang's bench_serving.")(bench_serve)
+
+
+_register_serve()
+
+
+@bench_app.callback(invoke_without_command=True)
 def bench(
+    ctx: typer.Context,
     model: Annotated[Optional[str], typer.Option("--model", help="Checkpoint directory (default: the embedded tiny model).")] = None,
     batch: Annotated[int, typer.Option("--batch", help="Sequences decoded together.")] = 8,
     input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens per sequence.")] = 32,
@@ -47,7 +64,17 @@ def bench(
     threads: Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads for both sides (default: torch's default).", min=1)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ) -> None:
-    """Benchmark prefill and decode throughput on random prompts (offline, greedy, ignore_eos)."""
+    """Benchmark prefill and decode throughput on random prompts (offline, greedy, ignore_eos).
+
+    `trnrt bench serve --help`: the serving benchmark (HTTP, against a running or a started server).
+    """
+    if ctx.invoked_subcommand is not None:
+        given = [p.opts[0] for p in ctx.command.params
+                 if getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"]
+        if given:
+            _fail(f"{', '.join(given)}: an option of the offline `trnrt bench`; "
+                  f"give `{ctx.invoked_subcommand}`'s options after `{ctx.invoked_subcommand}`")
+        return
     from trnrt.engine.bench import BenchError, check_bench_args
 
     try:
