@@ -104,8 +104,12 @@ def make_scripted_engine(tokenizer_factory, **kw):
     last submitted GenerateRequests."""
     from trnrt.engine.engine import Engine
 
+    from trnrt.engine.cache_config import PrefixCacheConfig
+
     tok = tokenizer_factory()
     kw.setdefault("max_model_len", 1024)
+    # the radix cache is on, as under `trnrt serve` (the scripted runner checks every resume)
+    kw.setdefault("prefix_cache_config", PrefixCacheConfig())
     return Engine.scripted(tok, make_script(tok), eos_token_ids=eos_ids(tok), **kw)
 
 
@@ -119,10 +123,13 @@ def make_real_engine():
         return Engine.from_model_dir(default_model_dir(), max_running_requests=64)
     The server then uses the model dir's own tokenizer (see `any_server`).
     """
+    from trnrt.engine.cache_config import PrefixCacheConfig
     from trnrt.engine.engine import Engine
     from trnrt.models.tiny import default_model_dir
 
-    return Engine.from_model_dir(default_model_dir(), max_running_requests=64)
+    # the radix cache is on, as under `trnrt serve`
+    return Engine.from_model_dir(default_model_dir(), max_running_requests=64,
+                                 prefix_cache_config=PrefixCacheConfig())
 # ==================================================================================================
 
 

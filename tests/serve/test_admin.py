@@ -428,15 +428,16 @@ def test_loads_sections(srv):
     datetime.fromisoformat(d["timestamp"])
     (entry,) = d["loads"]
     # default = all: every section that exists here; no speculative decoding, no LoRA
-    assert set(entry) == LOAD_CORE_KEYS | {"memory", "disaggregation", "queues"}
+    assert set(entry) == LOAD_CORE_KEYS | {"memory", "disaggregation", "queues", "prefix_cache"}
     assert entry["dp_rank"] == 0 and entry["max_running_requests"] == 8
     assert set(entry["queues"]) == {"waiting", "grammar", "paused", "retracted", "prealloc_ready"}
     assert entry["memory"]["token_capacity"] == entry["max_total_num_tokens"]
     assert entry["disaggregation"]["mode"] == "null"
     for include, extra in [("core", set()), ("queues", {"queues"}), ("core,memory", {"memory"}),
                            ("memory&include=disagg", {"memory", "disaggregation"}), ("spec,lora", set()),
-                           ("all", {"memory", "disaggregation", "queues"}),
-                           ("", {"memory", "disaggregation", "queues"})]:
+                           ("all", {"memory", "disaggregation", "queues", "prefix_cache"}),
+                           ("cache", {"prefix_cache"}),
+                           ("", {"memory", "disaggregation", "queues", "prefix_cache"})]:
         status, d, _ = srv.raw("GET", f"/v1/loads?include={include}")
         assert status == 200 and set(d["loads"][0]) == LOAD_CORE_KEYS | extra, include
     assert len(srv.raw("GET", "/v1/loads?dp_rank=0")[1]["loads"]) == 1

@@ -264,10 +264,7 @@ class Engine:
             return None, 0
         from trnrt.engine.cache_manager import IdPool
         from trnrt.engine.radix_cache import RadixCache
-        try:
-            from trnrt.engine.eviction_policy import make_eviction_strategy
-        except ImportError:  # TODO(prefix-cache): the policies land in a parallel change
-            make_eviction_strategy = lambda name, config: None  # noqa: E731
+        from trnrt.engine.eviction_policy import make_eviction_strategy
 
         ecfg = self.engine_config
         interval = pcc.resolved_interval(ecfg.block_size) if pcc.checkpoint_interval else \
@@ -967,7 +964,7 @@ class Engine:
         tokens_in_flight = sum(s.num_tokens for s in self.scheduler.running)
         self.stats_collector.set_live(
             running=self.scheduler.num_running, queued=self.scheduler.num_waiting,
-            pages_used=c.num_used_blocks, pages_total=c.num_usable_blocks,
+            pages_used=self._used_pages(), pages_total=c.num_usable_blocks,
             slots_used=c.num_used_slots, slots_total=c.num_usable_slots, tokens_in_flight=tokens_in_flight,
         )
         if publish_load:
@@ -982,7 +979,8 @@ class Engine:
         filled in by `load()` on the reading thread)."""
         c, s = self.cache, self.scheduler
         page = c.block_size
-        used_tokens = c.num_used_blocks * page
+        used_pages = self._used_pages()
+        used_tokens = used_pages * page
         max_tokens = c.num_usable_blocks * page
         return EngineLoad(
             num_running_reqs=s.num_running,
@@ -994,13 +992,20 @@ class Engine:
             max_total_num_tokens=max_tokens,
             max_running_requests=self.scheduler_config.max_num_seqs,
             token_usage=used_tokens / max_tokens if max_tokens else 0.0,
-            num_used_pages=c.num_used_blocks,
+            num_used_pages=used_pages,
             num_total_pages=c.num_usable_blocks,
             num_used_slots=c.num_used_slots,
             num_total_slots=c.num_usable_slots,
             page_size=page,
             **self._prefix_cache_load(),
         )
+
+    def _used_pages(self) -> int:
+        """Pages in use by requests. Cached pages no request holds are free for the asking (evicted
+        on demand), so they count as free, as in SGLang's token usage; the cache's own gauges
+        (num_cached_pages, num_evictable_pages) report them."""
+        pc = self.prefix_cache
+        return self.cache.num_used_blocks - (pc.evictable_pages() if pc is not None else 0)
 
     def _prefix_cache_load(self) -> dict:
         pc = self.prefix_cache

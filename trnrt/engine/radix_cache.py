@@ -108,6 +108,9 @@ class RadixCache:
         self.clock = clock
         self.root = TreeNode(device_pages=[])
         self._ops: list[CacheOp] = []
+        # device pages of unlocked nodes (what eviction can free), kept up to date on every change
+        # so that the per-step load gauges need no walk of the tree
+        self._evictable = 0
         # counters (cumulative)
         self.num_evicted_pages = 0
         self.num_host_loaded_pages = 0
@@ -191,6 +194,8 @@ class RadixCache:
 
     def lock(self, node: TreeNode | None) -> None:
         while node is not None and not node.is_root:
+            if node.lock_ref == 0 and node.device_pages:
+                self._evictable -= len(node.device_pages)
             node.lock_ref += 1
             node = node.parent
 
@@ -199,7 +204,15 @@ class RadixCache:
             if node.lock_ref <= 0:
                 raise AssertionError(f"unlock of an unlocked node {node!r}")
             node.lock_ref -= 1
+            if node.lock_ref == 0 and node.device_pages:
+                self._evictable += len(node.device_pages)
             node = node.parent
+
+    def _set_device_pages(self, node: TreeNode, pages: list[int] | None) -> None:
+        """Every change of a node's device pages goes through here (the evictable count)."""
+        if node.lock_ref == 0:
+            self._evictable += len(pages or ()) - len(node.device_pages or ())
+        node.device_pages = pages
 
     # -- host tier: loading back -----------------------------------------------------------------
 
@@ -211,7 +224,7 @@ class RadixCache:
             assert node.host_pages is not None
             dev = self.pages.allocate_raw(len(node.host_pages))
             self._ops.append(CacheOp("pages_to_device", tuple(node.host_pages), tuple(dev)))
-            node.device_pages = dev
+            self._set_device_pages(node, dev)
             loaded += len(dev)
         self.num_host_loaded_pages += loaded
         return loaded
@@ -266,9 +279,9 @@ class RadixCache:
             if child is None:
                 new = TreeNode(
                     key=tuple(token_ids[i * ps:]), parent=node, start_pos=i * ps,
-                    device_pages=list(page_ids[i:n_pages]), creation_time=now, last_access_time=now,
-                    priority=priority,
+                    creation_time=now, last_access_time=now, priority=priority,
                 )
+                self._set_device_pages(new, list(page_ids[i:n_pages]))
                 self.pages.retain(new.device_pages)
                 node.children[keys[i]] = new
                 self.strategy.on_insert(new)
@@ -286,7 +299,7 @@ class RadixCache:
                 child = self._split(child, k)
                 cn = k
             if child.device_pages is None:  # evicted from the device: take the sequence's pages
-                child.device_pages = list(page_ids[i:i + cn])
+                self._set_device_pages(child, list(page_ids[i:i + cn]))
                 self.pages.retain(child.device_pages)
             child.last_access_time = now
             child.priority = max(child.priority, priority)
@@ -343,9 +356,9 @@ class RadixCache:
         return n.on_device and n.lock_ref == 0 and not any(c.on_device for c in n.children.values())
 
     def evictable_pages(self) -> int:
-        """Device pages the tree could free now (unlocked nodes; a page still in a running
-        sequence's block table counts, though releasing it frees nothing until that ends)."""
-        return sum(len(n.device_pages) for n in self._nodes() if n.on_device and n.lock_ref == 0)
+        """Device pages of unlocked nodes: what eviction can free now. (A running sequence locks
+        its whole path, so these pages are held by the tree alone.) O(1)."""
+        return self._evictable
 
     def evict(self, num_pages: int = 0, *, num_checkpoints: int = 0) -> int:
         """Evict device leaves (strategy order) until `num_pages` pages are free in the
@@ -374,7 +387,7 @@ class RadixCache:
         pages = node.device_pages or []
         freed = self.pages.release(pages)
         self.num_evicted_pages += len(pages)
-        node.device_pages = None
+        self._set_device_pages(node, None)
         if node.checkpoint is not None:
             self.checkpoints.free([node.checkpoint])
             node.checkpoint = None
@@ -388,7 +401,7 @@ class RadixCache:
             self._delete_subtree(c)
         if node.device_pages is not None:
             self.pages.release(node.device_pages)
-            node.device_pages = None
+            self._set_device_pages(node, None)
         if node.checkpoint is not None:
             self.checkpoints.free([node.checkpoint])
             node.checkpoint = None
@@ -431,6 +444,7 @@ class RadixCache:
         for c in list(self.root.children.values()):
             self._delete_subtree(c)
         self._ops.clear()
+        assert self._evictable == 0, self._evictable
 
     def device_page_refs(self) -> list[int]:
         """Every device page reference the tree holds (for CacheManager.check_integrity)."""
@@ -452,6 +466,8 @@ class RadixCache:
         """Structure: keys are whole pages, positions chain, page lists match key lengths,
         device residency is prefix-closed, lock counts are consistent."""
         ps = self.page_size
+        walked = sum(len(n.device_pages) for n in self._nodes() if n.device_pages and n.lock_ref == 0)
+        assert walked == self._evictable, f"evictable count {self._evictable} != {walked}"
         for n in self._nodes():
             p = n.parent
             assert p is not None and p.children.get(n.key[:ps]) is n, n
