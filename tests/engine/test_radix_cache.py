@@ -444,8 +444,6 @@ def test_strategy_hooks_on_insert_match_evict():
     assert spy.calls == [("evict", b.id), ("evict", a.id)]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: RadixCache._split never calls strategy.on_insert(upper), "
-                                       "though eviction_policy.EvictionStrategy documents it for the upper half of a split")
 def test_split_upper_half_reported_to_on_insert():
     spy = Spy()
     tree, _, _ = make_tree(strategy=spy)

@@ -311,8 +311,6 @@ def test_priority_preemption_only_past_the_threshold(low_first):
     all_free(s)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Scheduler._preempt_for does not report priority-preemption "
-                                       "victims in SchedulerOutput.preempted_request_ids")
 def test_priority_preemption_victims_are_reported():
     s = make(enable_priority_scheduling=True)
     runner = CacheRunner()

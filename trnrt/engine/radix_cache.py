@@ -253,6 +253,7 @@ class RadixCache:
             child.host_pages = child.host_pages[k_pages:]
         child.parent = upper
         upper.children[child.key[:ps]] = child
+        self.strategy.on_insert(upper)
         return upper
 
     def insert(self, token_ids: Seq[int], page_ids: Seq[int], checkpoint: int | None, *,

@@ -188,6 +188,7 @@ class Scheduler:
         self.num_cached_tokens_total = 0
         self.num_cached_tokens_host_total = 0
         self.num_prefix_hits = 0
+        self.num_prefill_tokens_computed = 0  # tokens fed in prefill chunks (what the cache saves)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -379,7 +380,7 @@ class Scheduler:
             while self.waiting and budget > 0:
                 seq = self.waiting[0]
                 if len(self.running) >= cfg.max_num_seqs:
-                    if not self._preempt_for(seq, 0, entries):
+                    if not self._preempt_for(seq, 0, entries, preempted):
                         break
                     budget = cfg.max_num_batched_tokens - sum(e.num_new_tokens for e in entries.values())
                     continue
@@ -393,7 +394,7 @@ class Scheduler:
                                               shared=match):
                     need = self.cache.num_blocks_for(seq.num_computed_tokens + num_new) + extra
                     self._unmatch(seq, match)
-                    if self._preempt_for(seq, need * self.cache.block_size, entries):
+                    if self._preempt_for(seq, need * self.cache.block_size, entries, preempted):
                         budget = cfg.max_num_batched_tokens - sum(e.num_new_tokens for e in entries.values())
                         continue
                     break
@@ -412,6 +413,7 @@ class Scheduler:
 
         out.scheduled = list(entries.values())
         out.preempted_request_ids = [s.request_id for s in preempted]
+        self.num_prefill_tokens_computed += sum(e.num_new_tokens for e in out.scheduled if e.is_prefill)
         if self.prefix_cache is not None:
             out.cache_ops = self.prefix_cache.take_ops()
         return out
@@ -423,7 +425,7 @@ class Scheduler:
         m = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1), touch=False)
         return m.num_tokens, m.node
 
-    def _preempt_for(self, incoming: Sequence, tokens_needed: int, entries: dict) -> bool:
+    def _preempt_for(self, incoming: Sequence, tokens_needed: int, entries: dict, preempted: list) -> bool:
         """Priority preemption (SGLang's preempt_to_schedule): preempt running sequences worse
         than `incoming` by more than the threshold until it fits. Victims scheduled earlier in
         this step are taken back. Returns whether anything was preempted."""
@@ -440,6 +442,7 @@ class Scheduler:
         assert head is incoming
         for v in victims:
             self._preempt(v)
+            preempted.append(v)
             entries.pop(v.request_id, None)
             self._drop_snapshot(v.request_id) if self.prefix_cache is not None else None
             self.num_priority_preemptions += 1
