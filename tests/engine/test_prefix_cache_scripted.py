@@ -389,3 +389,44 @@ def test_every_policy_serves_everything(tok, eos, engines, name):
     assert [o for o, _ in run(e, prompts)] == [o for o, _ in run(ref, prompts)]
     assert e.scheduler.active_policy == name
     assert_books(e)
+
+
+def test_errors_leave_nothing(tok, eos, engines):
+    """A script failure mid-conversation and a failing state copy: the requests in question end
+    with an error, the cache keeps balanced books, later requests are served exactly."""
+    vocab = tok.get_vocab_size()
+    on = engines(CACHE)
+    starts, nxt = conversations(vocab, eos, 4, seed=23)
+    res = run(on, starts)
+    prompts = [p + o + nxt() for p, (o, _) in zip(starts, res)]
+    inner = on.runner.script
+    bad = tuple(prompts[1])
+    on.runner.script = lambda prompt: (_ for _ in ()).throw(RuntimeError("boom")) if tuple(prompt) == bad else inner(prompt)
+    streams = on.submit_many([GenerateRequest(prompt_token_ids=p, request_id=f"e{i}", stream=False,
+                                              sampling_params=SamplingParams(max_new_tokens=24, ignore_eos=True))
+                              for i, p in enumerate(prompts)])
+    finals = [_final(s)[1] for s in streams]
+    assert [f.error is not None for f in finals] == [False, True, False, False]
+    assert_books(on)
+    # a cache copy that fails: the step's requests fail, nothing leaks, the engine goes on
+    on.runner.script = inner
+    real = on.runner.apply_cache_ops
+    calls = {"n": 0}
+
+    def flaky(ops):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("copy failed")
+        return real(ops)
+
+    on.runner.apply_cache_ops = flaky
+    (out, o), = [_final(s) for s in on.submit_many([GenerateRequest(
+        prompt_token_ids=prompts[0], request_id="f0", stream=False,
+        sampling_params=SamplingParams(max_new_tokens=24, ignore_eos=True))])]
+    assert o.error is not None
+    assert not on.prefix_cache.root.children  # whatever the failed copies touched is gone
+    on.runner.apply_cache_ops = real
+    again = run(on, [prompts[0]], rid="g")
+    ref = engines(None)
+    assert again[0][0] == run(ref, [prompts[0]], rid="g")[0][0]
+    assert_books(on)

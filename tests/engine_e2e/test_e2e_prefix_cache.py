@@ -132,6 +132,26 @@ def test_multi_turn_and_shared_prompts_equal_cache_off(engines, special_ids):
     on.scheduler.check_integrity()
 
 
+def test_resumed_turns_equal_transformers(engines, special_ids, hf_model):
+    """Two conversations' later turns, served from the cache, equal transformers' greedy generate
+    on the whole prompt (the cache-off engine is held to transformers in test_e2e_parity)."""
+    import torch
+
+    on = engines("on")
+    prompts, nxt = _conversations(special_ids, 2, seed=8)
+    for t in range(3):
+        res = _run(on, prompts, f"hf{t}-", logprobs=None)
+        for p, c in zip(prompts, res):
+            x = torch.tensor([p], dtype=torch.long)
+            with torch.inference_mode():
+                ref = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=N_NEW,
+                                        min_new_tokens=N_NEW, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            assert c.token_ids == ref, t
+            if t:
+                assert c.num_cached_tokens > 0
+        prompts = [p + c.token_ids + nxt() for p, c in zip(prompts, res)]
+
+
 def test_seeded_sampling_equal_cache_off(engines, special_ids):
     on, off = engines("on"), engines("off")
     prompts, nxt = _conversations(special_ids, 4, seed=3)

@@ -246,6 +246,7 @@ class Engine:
         self._live_lock = threading.Lock()
         self._live_ids: set[str] = set()
         self._pending_flush: FlushCacheMsg | None = None  # engine thread only
+        self._cache_poisoned = False  # a prefix-cache copy failed this step
         self._gen_rate = _TokenRate(_GEN_THROUGHPUT_WINDOW_S)
         self._load = EngineLoad()
         self._accepting = True
@@ -865,6 +866,10 @@ class Engine:
         runner_out = self._execute(sched_out)
         now = time.monotonic()
         updates = self.scheduler.update_from_output(sched_out, runner_out)
+        if self._cache_poisoned:
+            self._cache_poisoned = False
+            log.error("prefix cache copy failed: dropping every cached prefix no request is using")
+            self.prefix_cache.invalidate()
         produced = [(u.request_id, len(u.new_token_ids)) for u in updates if u.error is None and u.new_token_ids]
         self.stats_collector.on_tokens_many(produced, now=now)
         if produced:
@@ -877,6 +882,7 @@ class Engine:
 
     def _execute(self, sched_out: SchedulerOutput) -> RunnerOutput:
         if sched_out.cache_ops and not self._apply_cache_ops(sched_out.cache_ops):
+            self._cache_poisoned = True  # invalidated after this step's requests are released
             msg = "prefix cache copy failed"
             return RunnerOutput(sampled_token_ids=[None] * len(sched_out.scheduled), logprobs=None,
                                 failed={s.request_id: msg for s in sched_out.scheduled})

@@ -447,6 +447,23 @@ class RadixCache:
         self._ops.clear()
         assert self._evictable == 0, self._evictable
 
+    def invalidate(self) -> None:
+        """A tier copy failed, so some cached data may be wrong: delete every unlocked node, and
+        drop the host copies of the locked ones (their device data, in use, is intact)."""
+        for node in list(self._nodes()):
+            if node.parent is None:
+                continue  # removed with an ancestor already
+            if node.lock_ref == 0:
+                self._delete_subtree(node)
+            else:
+                if node.host_pages is not None:
+                    self.host_pages.free(node.host_pages)
+                    node.host_pages = None
+                if node.host_checkpoint is not None:
+                    self.host_checkpoints.free([node.host_checkpoint])
+                    node.host_checkpoint = None
+        self._ops.clear()
+
     def device_page_refs(self) -> list[int]:
         """Every device page reference the tree holds (for CacheManager.check_integrity)."""
         return [b for n in self._nodes() if n.device_pages for b in n.device_pages]
