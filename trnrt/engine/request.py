@@ -135,6 +135,11 @@ class GenerateRequest:
     # --schedule-low-priority-values-first). None: the server's default. Read only under priority
     # scheduling, and by the `priority` eviction policy.
     priority: int | None = None
+    # `n` > 1: the n choices of one client request are n GenerateRequests with the same
+    # `prefix_group` (e.g. the client's request id), the same prompt, submitted in one submit_many.
+    # The engine computes the shared prompt once and forks the others from it (their own sampling,
+    # seeds and stops). None: an ordinary request.
+    prefix_group: str | None = None
 
 
 def check_context_length(
