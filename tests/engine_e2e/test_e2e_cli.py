@@ -156,7 +156,7 @@ def test_generate_bad_input_exits_2(tmp_path, args, where, generate):
 # -- bench -----------------------------------------------------------------------------------
 
 TINY_BENCH = ("bench", "--batch", "2", "--input-len", "8", "--output-len", "4", "--num-prompts", "2", "--json")
-KEYS = {"batch", "input_len", "output_len", "prefill_tok_s", "decode_tok_s", "decode_step_ms"}
+KEYS = {"batch", "input_len", "output_len", "prefill_tok_s", "decode_tok_s", "decode_step_ms", "threads"}
 
 
 def test_bench_json():

@@ -61,7 +61,7 @@ def bench(
     compiled: Annotated[Optional[str], typer.Option("--compiled", help="Run the graphs compiled by `trnrt compile` under DIR (uses --preset's settings).", metavar="DIR")] = None,
     preset: Annotated[Optional[str], typer.Option("--preset", help="Graph-shaping preset, used as is (default: the 'default' preset, widened to fit the run; as is with --compiled).")] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="With --compiled: the artifact backend directory to use.")] = None,
-    threads: Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads for both sides (default: torch's default).", min=1)] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads, the same for both sides (default: $TRNRT_TORCH_THREADS, else the engine's default: 1 on the CPU below 1e8 parameters, else the physical cores). The --json output's \"threads\" says which ran.", min=1)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ) -> None:
     """Benchmark prefill and decode throughput on random prompts (offline, greedy, ignore_eos).

@@ -17,6 +17,13 @@ What is measured (docs/PERFORMANCE.md):
 Both sides are warmed up once (one batch, a few tokens) before anything is timed. `num_prompts`
 prompts run in waves of `batch`; the figures aggregate every wave.
 
+Threads: both sides run at the same torch intra-op thread count, reported as "threads" (top level
+and in "hf"): `threads` when given, else what the engine would pick by itself
+(trnrt.engine.threads: $TRNRT_TORCH_THREADS, else 1 on the CPU for a model below 1e8
+parameters, the physical cores for a larger one). torch's own default (one thread per core) made
+the comparison unfair on a shared box: transformers' step went from ~11 ms to 0.15-1.5 s at two
+threads while trnrt's stayed within ~3x, and the ratio read 151x.
+
 torch and transformers are imported inside functions: the CLI imports nothing heavy at start-up.
 """
 
@@ -34,7 +41,7 @@ ProgressFn = Callable[[str, int, int], None]
 # compiled_loader(model, state, engine_config) -> {GraphSpec: callable}  (trnrt.compile.load_compiled)
 CompiledLoader = Callable[[Any, Any, Any], dict]
 
-RESULT_KEYS = ("batch", "input_len", "output_len", "prefill_tok_s", "decode_tok_s", "decode_step_ms")
+RESULT_KEYS = ("batch", "input_len", "output_len", "prefill_tok_s", "decode_tok_s", "decode_step_ms", "threads")
 
 
 class BenchError(ValueError):
@@ -120,34 +127,49 @@ def run_bench(
     threads: int | None = None,
 ) -> dict:
     """Run the benchmark; return {batch, input_len, output_len, prefill_tok_s, decode_tok_s,
-    decode_step_ms} plus, with compare_hf, "hf" (the same fields for transformers) and "ratio"
-    ({"prefill", "decode"}: trnrt / transformers throughput).
+    decode_step_ms, threads} plus, with compare_hf, "hf" (the same fields for transformers) and
+    "ratio" ({"prefill", "decode"}: trnrt / transformers throughput).
 
     engine_config: used as is when given (a preset, e.g. the compiled one); else bench_engine_config()
     (the default preset, widened to fit the run).
     compiled_loader: called with (model, state, engine_config) before the engine starts; its dict
     of compiled graphs replaces the eager step function for the specs it holds.
-    threads: torch intra-op threads for the run (both sides; restored afterwards); None keeps the
-    current setting.
+    threads: torch intra-op threads for the run, both sides (the process's setting is restored
+    afterwards); None: the engine's own choice (trnrt.engine.threads.resolve_torch_threads:
+    $TRNRT_TORCH_THREADS, else the default for the backend and model size). "threads" in the
+    result says which count both sides ran at.
     Raises BenchError (naming the field) for sizes the engine cannot run.
     """
     n_prompts = check_bench_args(batch, input_len, output_len, num_prompts)
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
         raise BenchError(f"threads must be an integer >= 1, got {threads!r}", field="threads")
+    if threads is None:
+        from trnrt.engine.threads import resolve_torch_threads
+
+        try:  # a bad $TRNRT_TORCH_THREADS fails here, before anything is loaded
+            resolve_torch_threads("eager", "cpu")
+        except ValueError as e:
+            raise BenchError(str(e), field="threads") from None
     import torch
 
     before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
     try:
         return _run_bench(model_dir, batch, input_len, output_len, n_prompts, compare_hf, seed, engine_config,
-                          compiled_loader, progress)
+                          compiled_loader, progress, threads)
     finally:
         torch.set_num_threads(before)
 
 
+def bench_threads(requested: int | None, compiled: bool, model) -> int:
+    """The torch thread count both sides of the bench run at (see the module doc)."""
+    from trnrt.engine.threads import count_params, resolve_torch_threads
+
+    device = str(next(iter(model.parameters())).device) if count_params(model) else "cpu"
+    return resolve_torch_threads("compiled" if compiled else "eager", device, requested, count_params(model))[0]
+
+
 def _run_bench(model_dir, batch, input_len, output_len, n_prompts, compare_hf, seed, engine_config,
-               compiled_loader, progress) -> dict:
+               compiled_loader, progress, threads) -> dict:
     from trnrt.models.paths import resolve_model_dir
 
     path = resolve_model_dir(model_dir)
@@ -178,26 +200,46 @@ def _run_bench(model_dir, batch, input_len, output_len, n_prompts, compare_hf, s
 
     if progress is not None:
         progress("loading trnrt", 0, total)
-    engine = _build_engine(path, ecfg, batch, compiled_loader)
+    engine, n_threads = _build_engine(path, ecfg, batch, compiled_loader, threads)
     try:
         special = set(getattr(engine.tokenizer, "all_special_ids", []) or []) | set(engine.model_info.eos_token_ids)
         prompts = make_prompts(n_prompts, input_len, engine.model_info.vocab_size, seed, frozenset(special))
         result = _bench_trnrt(engine, prompts, batch, output_len, tick)
     finally:
         engine.shutdown()
+    # result["threads"]: what the engine thread itself reported during the timed steps
     out = {"batch": batch, "input_len": input_len, "output_len": output_len, **result}
     if compare_hf:
         if progress is not None:
             progress("loading transformers", done, total)
+        import torch
+
+        torch.set_num_threads(n_threads)  # transformers runs on this (the main) thread
         hf = _bench_hf(path, prompts, batch, output_len, tick)
+        hf["threads"] = torch.get_num_threads()
         out["hf"] = {"batch": batch, "input_len": input_len, "output_len": output_len, **hf}
         out["ratio"] = {"prefill": _ratio(out["prefill_tok_s"], hf["prefill_tok_s"]),
                         "decode": _ratio(out["decode_tok_s"], hf["decode_tok_s"])}
+    if progress is not None:
+        progress(threads_note(out), total, total)
     return out
 
 
-def _build_engine(path, ecfg, batch: int, compiled_loader: CompiledLoader | None):
+def threads_note(result: dict) -> str:
+    """One line saying which torch thread count each side ran at (the bench's last progress line)."""
+    t, hf = result.get("threads"), (result.get("hf") or {}).get("threads")
+    if "hf" not in result:
+        return f"done: torch threads {t}"
+    if hf == t:
+        return f"done: torch threads {t}, both sides"
+    return f"done: torch threads trnrt {t}, transformers {hf}"
+
+
+def _build_engine(path, ecfg, batch: int, compiled_loader: CompiledLoader | None, threads: int | None):
+    """The engine, started at the bench's thread count; returns (engine, that count)."""
     import dataclasses
+
+    import torch
 
     from trnrt.engine.engine import Engine
     from trnrt.engine.scheduler import SchedulerConfig
@@ -212,8 +254,15 @@ def _build_engine(path, ecfg, batch: int, compiled_loader: CompiledLoader | None
     if compiled_loader is not None:
         engine.runner.compiled = compiled_loader(engine.runner.model, engine.runner.state, ecfg)
         engine.model_info = dataclasses.replace(engine.model_info, backend="compiled", compiled=True)
+    n = bench_threads(threads, compiled_loader is not None, engine.runner.model)
+    # Both routes into the engine thread: a thread adopts the process-wide count set here the first
+    # time it runs torch work (so an engine that sets nothing runs at n), and an engine that sets
+    # its own count at the top of its thread (trnrt.engine.threads.apply_torch_threads) reads it
+    # from runner.torch_threads, which from_model_dir fills with the engine's default.
+    torch.set_num_threads(n)
+    engine.runner.torch_threads = n
     engine.thread.start()
-    return engine
+    return engine, n
 
 
 def _run_wave(engine, prompts: list[list[int]], sp) -> float:
@@ -242,6 +291,8 @@ def _run_wave(engine, prompts: list[list[int]], sp) -> float:
 
 
 def _bench_trnrt(engine, prompts: list[list[int]], batch: int, output_len: int, tick) -> dict:
+    import torch
+
     from trnrt.engine.request import SamplingParams
 
     # greedy; a seed anyway, so that submit() draws no random seed (a syscall that lets the engine
@@ -259,7 +310,11 @@ def _bench_trnrt(engine, prompts: list[list[int]], batch: int, output_len: int, 
     runner = engine.runner
     inner = runner.execute
 
+    engine_threads: list[int] = []
+
     def timed_execute(rows):  # runs on the engine thread
+        if not engine_threads:
+            engine_threads.append(torch.get_num_threads())  # this thread's own count
         t0 = time.perf_counter()
         res = inner(rows)
         if recording.is_set():
@@ -307,6 +362,7 @@ def _bench_trnrt(engine, prompts: list[list[int]], batch: int, output_len: int, 
         "prefill_tok_s": round(prefill_tokens / prefill_s, 2) if prefill_s > 0 else None,
         "decode_tok_s": round(decode_rows / decode_s, 2) if decode_s > 0 else None,
         "decode_step_ms": round(1000 * decode_s / num_intervals, 3) if num_intervals else None,
+        "threads": engine_threads[0] if engine_threads else None,
     }
 
 
