@@ -27,6 +27,27 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+SUMMARY_COLUMNS = ("graph", "status", "graph hash", "export s", "compile s", "bytes")
+
+
+def summary_lines(graphs) -> list[str]:
+    """The summary table of `trnrt compile` as plain aligned lines: a header, then one row per
+    manifest entry, the graph id always in full.
+
+    Not a rich Table on purpose: rich fits a table to the terminal by cutting cells, and on an
+    80-column terminal it cut every id to "decode-b8-t1-…", so the rows looked identical. A line
+    wider than the terminal wraps instead; nothing is cut.
+    """
+    rows = [SUMMARY_COLUMNS]
+    for g in graphs:
+        rows.append((g.id, g.status + (" (reused)" if g.reused else ""), g.graph_hash[:16] or "-",
+                     f"{g.export_s:.1f}", f"{g.compile_s:.1f}", _fmt_bytes(g.bytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(SUMMARY_COLUMNS))]
+    right = (False, False, False, True, True, True)
+    return ["  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right)).rstrip()
+            for row in rows]
+
+
 @app.command("compile")
 def compile_cmd(
     preset: Annotated[str, typer.Option("--preset", help="Preset name (presets/NAME.toml) or path to a .toml.")] = "default",
@@ -78,7 +99,6 @@ def compile_cmd(
     import time
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     from trnrt.compile.pipeline import CompileFailed, compile_graphs, load_model_and_state
 
@@ -93,6 +113,7 @@ def compile_cmd(
     console.print(f"compile [bold]{p.name}[/bold] ({p.path}) backend [bold]{backend}[/bold], {n} graph(s)"
                   f"{', flags ' + '+'.join(flags) if flags else ''}{' (dry run)' if dry_run else ''}")
     started: dict[str, float] = {}
+    id_width = max((len(s.graph_id) for s in specs), default=28)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
         task = progress.add_task("starting", total=n)
@@ -105,7 +126,7 @@ def compile_cmd(
             elif ev.stage in ("done", "reused", "failed"):
                 dt = time.perf_counter() - started.get(ev.graph_id, time.perf_counter())
                 mark = {"done": "[green]ok[/green]", "reused": "[cyan]up to date[/cyan]", "failed": "[red]FAILED[/red]"}[ev.stage]
-                progress.console.print(f"  {ev.graph_id:<28} {mark}  {dt:6.1f} s"
+                progress.console.print(f"  {ev.graph_id:<{id_width}} {mark}  {dt:6.1f} s"
                                        + (f"  {ev.message[:200]}" if ev.message else ""))
                 progress.advance(task)
 
@@ -121,14 +142,11 @@ def compile_cmd(
             err.print(f"[red]error:[/red] {e}")
             raise typer.Exit(2)
 
-    t = Table(title=f"{art_dir / 'manifest.json'}")
-    for c in ("graph", "status", "graph hash", "export s", "compile s", "bytes"):
-        t.add_column(c)
-    failed = 0
-    for g in manifest.graphs:
-        failed += g.status == "failed"
-        status = g.status + (" (reused)" if g.reused else "")
-        t.add_row(g.id, status, g.graph_hash[:16], f"{g.export_s:.1f}", f"{g.compile_s:.1f}", _fmt_bytes(g.bytes))
-    console.print(t)
+    console.print(f"manifest: {art_dir / 'manifest.json'}", soft_wrap=True, highlight=False, markup=False)
+    lines = summary_lines(manifest.graphs)
+    console.print(lines[0], style="bold", soft_wrap=True, highlight=False, markup=False)
+    for line in lines[1:]:
+        console.print(line, soft_wrap=True, highlight=False, markup=False)
+    failed = sum(g.status == "failed" for g in manifest.graphs)
     if failed:
         raise typer.Exit(1)

@@ -101,6 +101,8 @@ class CpuBackend(Backend):
     def compile(self, graph: ExportedGraph, art_dir: Path, options: dict) -> CompileResult:
         from torch._inductor import aoti_compile_and_package
 
+        from .torch_warnings import quiet_torch_leafspec_warning
+
         gdir = art_dir / "graphs"
         gdir.mkdir(parents=True, exist_ok=True)
         gid = graph.spec.graph_id
@@ -108,7 +110,7 @@ class CpuBackend(Backend):
         files = [f"graphs/{gid}.pt2"]
         configs = {**self.BASE_OPTIONS, **dict(options.get("inductor", {}))}
         t0 = time.perf_counter()
-        with identical_compile_lock(graph.graph_hash, configs):
+        with identical_compile_lock(graph.graph_hash, configs), quiet_torch_leafspec_warning():
             aoti_compile_and_package(graph.program, package_path=str(pkg), inductor_configs=configs)
         check_package(pkg)
         # Lifted tensor constants (tensors the step creates from Python data at trace time) are

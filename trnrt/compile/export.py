@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -30,6 +29,7 @@ from trnrt.config.engine_config import EngineConfig
 from trnrt.engine.step import STEP_INPUT_NAMES, STEP_OUTPUT_NAMES, GraphSpec, StepFunction, example_inputs
 
 from .catalogue import BASE_VARIANT, get_variant
+from .torch_warnings import quiet_torch_leafspec_warning
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,10 +210,7 @@ def export_spec(model: nn.Module, state: Any, engine_config: EngineConfig, spec:
     inputs = spec_inputs(spec, engine_config, vocab, device=dev)
     st = [t for _, t in state_tensors(state)]
     t0 = time.perf_counter()
-    with tensors_as_buffers(model), warnings.catch_warnings():
-        # torch 2.13's export pickles pytree specs through a deprecated isinstance check; the
-        # warning is torch-internal and repeats once per export.
-        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+    with tensors_as_buffers(model), quiet_torch_leafspec_warning():
         mod = ExportStep(model, state, engine_config, spec.variant, spec.sampling)
         ep = torch.export.export(mod, tuple(inputs) + tuple(st), strict=False)
     dt = time.perf_counter() - t0

@@ -281,7 +281,10 @@ def fingerprint(ep: "torch.export.ExportedProgram", decompose: bool = True) -> G
     if decompose:
         # An empty table functionalises (in-place updates become data flow and outputs) without
         # lowering composite ops, so reports name the ops the model code calls.
-        ep = ep.run_decompositions({})
+        from .torch_warnings import quiet_torch_leafspec_warning
+
+        with quiet_torch_leafspec_warning():  # torch deep-copies its own pytree specs here
+            ep = ep.run_decompositions({})
     sig = ep.graph_signature
     roles: dict[str, Any] = {}
     user_pos: dict[str, int] = {}
