@@ -430,3 +430,54 @@ def test_errors_leave_nothing(tok, eos, engines):
     ref = engines(None)
     assert again[0][0] == run(ref, [prompts[0]], rid="g")[0][0]
     assert_books(on)
+
+
+# -- n > 1: choices fork from one computed prompt ---------------------------------------------------
+
+
+def _group(engine, prompt, n, group, max_new=24, stream=False):
+    return engine.submit_many([
+        GenerateRequest(prompt_token_ids=list(prompt), request_id=f"{group}-{i}", prefix_group=group, stream=stream,
+                        sampling_params=SamplingParams(max_new_tokens=max_new, ignore_eos=True, seed=100 + i))
+        for i in range(n)])
+
+
+@pytest.mark.parametrize("plen", [75, 80, 81])  # partial last page, page-aligned fork, aligned + 1
+def test_n_choices_compute_the_prompt_once(tok, eos, engines, plen):
+    vocab = tok.get_vocab_size()
+    rng = random.Random(plen)
+    prompt = [t for t in (rng.randrange(vocab) for _ in range(plen * 2)) if t != eos][:plen]
+    on, off = engines(CACHE), engines(None)
+    finals = [_final(s) for s in _group(on, prompt, 8, "g")]
+    ref = [_final(s) for s in _group(off, prompt, 8, "g")]
+    assert [f[0] for f in finals] == [r[0] for r in ref]
+    assert on.scheduler.num_forked == 7
+    # the prompt's first plen - 1 tokens were fed once, in prefill chunks; every choice then feeds
+    # the last prompt token as a one-token row and samples its own first token
+    assert on.scheduler.num_prefill_tokens_computed == plen - 1
+    assert off.scheduler.num_prefill_tokens_computed >= 8 * (plen - 1)
+    assert [f[1].num_cached_tokens for f in finals] == [0] + [plen - 1] * 7
+    assert_books(on)
+
+
+def test_n_leader_aborted_before_the_fork(tok, eos, engines):
+    """The leader goes before its prompt is computed: the others are served as ordinary requests;
+    a held choice aborted leaves the group; nothing leaks."""
+    vocab = tok.get_vocab_size()
+    rng = random.Random(3)
+    prompt = [t for t in (rng.randrange(vocab) for _ in range(300)) if t != eos][:200]
+    e = engines(CACHE)
+    e.runner.paused.set()
+    streams = _group(e, prompt, 4, "h")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not e.runner.paused.holding.is_set():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    e.abort("h-0")  # the leader, mid-prefill (200 tokens in chunks of 64)
+    e.abort("h-2")  # a held choice
+    e.runner.paused.clear()
+    outs = [_final(s) for s in streams]
+    assert outs[0][1].finish_reason.type == "abort" and outs[2][1].finish_reason.type == "abort"
+    assert outs[1][0] == outs[3][0] and len(outs[1][0]) == 24
+    assert not e.scheduler._groups
+    assert_books(e)

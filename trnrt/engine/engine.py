@@ -45,6 +45,7 @@ from trnrt.engine.scheduler import Scheduler, SchedulerConfig
 from trnrt.engine.sequence import SequenceStatus
 from trnrt.engine.stop import StopChecker, is_token_stop
 from trnrt.engine.stream import OutputStream
+from trnrt.engine.threads import apply_torch_threads, count_params, resolve_torch_threads
 
 if TYPE_CHECKING:
     from trnrt.engine.cache_config import PrefixCacheConfig  # the model runner imports torch; the engine itself need not (scripted runs)
@@ -344,6 +345,10 @@ class Engine:
         state = ModelState.allocate(mcfg, ecfg.num_blocks, ecfg.block_size, ecfg.num_slots, dtype, device)
         compiled = compiled_loader(model, state, ecfg) if compiled_loader is not None else None
         runner = ModelRunner(model, state, ecfg, mcfg.vocab_size, compiled=compiled)
+        # the engine thread's torch intra-op threads (resolved here, on the caller's thread, so a
+        # bad TRNRT_TORCH_THREADS fails before the engine starts; applied in _run)
+        runner.torch_threads = resolve_torch_threads(compiled_backend if compiled else "eager", device, None,
+                                                     count_params(model))[0]
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         if served_model_name is None:
             from trnrt.models.tiny import default_model_dir
@@ -623,6 +628,9 @@ class Engine:
     # -- engine thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        # torch's thread count is per Python thread once it has run torch work: set the engine
+        # thread's own (trnrt.engine.threads; a no-op without torch for the scripted runner).
+        apply_torch_threads(getattr(self.runner, "torch_threads", None))
         # ModelRunner: the whole thread in inference mode (the runner then skips entering it
         # every step). The scripted runner needs nothing (and no torch).
         enter = getattr(self.runner, "thread_context", None)

@@ -193,6 +193,9 @@ class ModelRunner:
             elif kind == "pages_to_device":
                 names = _PAGE_STATE
                 src_of, dst_of = (lambda k: self._host_pages[k]), (lambda k: getattr(st, k))
+            elif kind == "copy_pages":
+                names = _PAGE_STATE
+                src_of = dst_of = (lambda k: getattr(st, k))
             else:
                 raise ValueError(f"unknown cache op {kind!r}")
             for k in names:

@@ -127,7 +127,8 @@ class ScheduledSequence:
         return self.num_computed_tokens
 
 
-CACHE_OP_KINDS = ("save_slot", "load_slot", "load_slot_host", "pages_to_host", "pages_to_device", "ckpt_to_host")
+CACHE_OP_KINDS = ("save_slot", "load_slot", "load_slot_host", "pages_to_host", "pages_to_device", "ckpt_to_host",
+                  "copy_pages")
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,7 @@ class CacheOp:
       pages_to_host    device page ids -> host page ids    (MLA latents, pooled indexer keys)
       pages_to_device  host page ids -> device page ids
       ckpt_to_host     device checkpoint ids -> host checkpoint ids
+      copy_pages       device page ids -> device page ids  (a fork's partial last page)
     """
 
     kind: str

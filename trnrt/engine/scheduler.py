@@ -100,6 +100,24 @@ class SchedulerConfig:
         return min(self.max_num_batched_tokens, self.max_prefill_chunk_tokens)
 
 
+@dataclass(eq=False)
+class _ForkGroup:
+    """The choices of one `n` > 1 request (GenerateRequest.prefix_group): the leader computes the
+    shared prompt up to `fork_pos` (= prompt length - 1), its slot is checkpointed there and the
+    followers, held out of the waiting queue until then, fork from it: they share its full pages,
+    get a copy of the partial last page and the checkpoint, and compute only the last prompt token
+    (each samples its own first token)."""
+
+    name: str
+    leader: Sequence
+    fork_pos: int
+    held: list[Sequence] = field(default_factory=list)  # followers not yet forked, arrival order
+    ready: bool = False
+    checkpoint: int | None = None  # the leader's state at fork_pos
+    pages: list[int] = field(default_factory=list)  # the leader's pages covering [0, fork_pos), retained
+    pending_snapshot: int | None = None  # checkpoint id of a save_slot scheduled this step
+
+
 @dataclass
 class SequenceUpdate:
     """What changed for one sequence in update_from_output: new tokens and/or its finish.
@@ -182,6 +200,8 @@ class Scheduler:
         self._ended: list[Sequence] = []
         self.num_priority_preemptions = 0
         self.num_queue_full = 0
+        self._groups: dict[str, _ForkGroup] = {}  # prefix_group -> its fork state (n > 1)
+        self.num_forked = 0  # choices that forked from their leader's prompt
         # request id -> (end position, checkpoint id) of the snapshot its scheduled row will take
         self._pending_snapshots: dict[str, tuple[int, int]] = {}
         self.num_prompt_tokens_admitted = 0  # first admissions only
@@ -243,8 +263,95 @@ class Scheduler:
             seq.finished_time_s = now
             return seq
         self.requests[seq.request_id] = seq
+        group = request.prefix_group
+        if group is not None and self.prefix_cache is not None and seq.num_prompt_tokens > 1:
+            g = self._groups.get(group)
+            if g is None:
+                self._groups[group] = _ForkGroup(name=group, leader=seq, fork_pos=seq.num_prompt_tokens - 1)
+                seq.fork_group = group
+            elif g.leader.prompt_token_ids == seq.prompt_token_ids and not g.ready:
+                seq.fork_group = group
+                g.held.append(seq)  # waits for the leader's prompt
+                return seq
         self.waiting.append(seq)
         return seq
+
+    # -- n > 1: forks of a shared prompt ---------------------------------------------------------
+
+    def _group_of(self, seq: Sequence) -> "_ForkGroup | None":
+        name = getattr(seq, "fork_group", None)
+        return self._groups.get(name) if name is not None else None
+
+    def _release_group(self, name: str, *, requeue: bool) -> None:
+        """Drop a group's fork state; with `requeue`, its held followers go to the waiting front
+        as ordinary requests (the leader is gone before the fork: each computes its prompt)."""
+        g = self._groups.pop(name)
+        if g.pages:
+            self.cache.release(g.pages)
+            g.pages = []
+        if g.checkpoint is not None:
+            self.prefix_cache.checkpoints.free([g.checkpoint])
+            g.checkpoint = None
+        if g.pending_snapshot is not None:
+            self.prefix_cache.checkpoints.free([g.pending_snapshot])
+            g.pending_snapshot = None
+        for f in reversed(g.held):
+            f.fork_group = None
+            if requeue:
+                self.waiting.appendleft(f)
+        g.held = []
+
+    def _plan_fork_snapshot(self, seq: Sequence, end: int, out: SchedulerOutput) -> None:
+        g = self._group_of(seq)
+        if g is None or g.leader is not seq or g.ready or g.pending_snapshot is not None:
+            return
+        if end - (1 if end > seq.num_computed_tokens else 0) >= g.fork_pos and end != g.fork_pos:
+            # the leader starts past the fork position (its prompt came from the cache): the
+            # others will find it there too
+            self._release_group(g.name, requeue=True)
+            seq.fork_group = None
+            return
+        if end != g.fork_pos:
+            return
+        ids = self.prefix_cache.checkpoints.allocate(1)
+        if ids is None:
+            self.prefix_cache.evict(num_checkpoints=1)
+            ids = self.prefix_cache.checkpoints.allocate(1)
+        if ids is None:  # no checkpoint to fork from: the choices compute their prompts each
+            self._release_group(g.name, requeue=True)
+            seq.fork_group = None
+            return
+        g.pending_snapshot = ids[0]
+        out.snapshot_ops.append(CacheOp("save_slot", (seq.slot_id,), (ids[0],)))
+
+    def _commit_fork(self, seq: Sequence) -> None:
+        """The leader's state at fork_pos is checkpointed: its followers may fork."""
+        g = self._group_of(seq)
+        if g is None or g.pending_snapshot is None or g.leader is not seq:
+            return
+        g.checkpoint, g.pending_snapshot = g.pending_snapshot, None
+        n_pages = self.cache.num_blocks_for(g.fork_pos)
+        g.pages = list(seq.block_ids[:n_pages])
+        self.cache.retain(g.pages)
+        g.ready = True
+        for f in reversed(g.held):  # they arrived with the leader: they go first
+            self.waiting.appendleft(f)
+        g.held = []
+
+    def _fork(self, seq: Sequence, g: "_ForkGroup") -> None:
+        """Admit follower `seq` at the group's fork position (the caller checked the page)."""
+        bs = self.cache.block_size
+        full = g.fork_pos // bs
+        self.cache.share_blocks(seq, g.pages[:full])
+        if g.fork_pos % bs:
+            (page,) = self.cache.allocate_raw(1)
+            seq.block_ids.append(page)
+            self.prefix_cache._ops.append(CacheOp("copy_pages", (g.pages[full],), (page,)))
+        seq.num_computed_tokens = g.fork_pos
+        seq.fork_source = g.checkpoint
+        seq.num_cached_tokens = g.fork_pos
+        self.num_cached_tokens_total += g.fork_pos
+        self.num_forked += 1
 
     def take_finished(self) -> list[Sequence]:
         """Sequences the scheduler ended by itself since the last call (displaced from a full
@@ -275,7 +382,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + sum(len(g.held) for g in self._groups.values())
 
     @property
     def num_running(self) -> int:
@@ -309,10 +416,13 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Cache books balance against the live sequences; queues hold exactly the live ones."""
         pc = self.prefix_cache
-        self.cache.check_integrity(self.requests.values(), extra_refs=pc.device_page_refs() if pc else ())
+        self.cache.check_integrity(self.requests.values(), extra_refs=(pc.device_page_refs() if pc else [])
+                                   + [b for g in self._groups.values() for b in g.pages])
         if pc is not None:
             pc.check_integrity()
-            pc.checkpoints.check_integrity(pc.checkpoint_ids() + [c for _, c in self._pending_snapshots.values()])
+            pc.checkpoints.check_integrity(
+                pc.checkpoint_ids() + [c for _, c in self._pending_snapshots.values()]
+                + [c for g in self._groups.values() for c in (g.checkpoint, g.pending_snapshot) if c is not None])
             if pc.has_host_tier:
                 pc.host_pages.check_integrity(pc.host_page_ids())
                 pc.host_checkpoints.check_integrity(pc.host_checkpoint_ids())
@@ -328,7 +438,9 @@ class Scheduler:
             for node in pc._nodes():
                 assert node.lock_ref == expected.get(node.id, 0), (node, expected.get(node.id, 0))
         live = set(self.requests)
-        queued = [s.request_id for s in self.waiting] + [s.request_id for s in self.running]
+        held = [f for g in self._groups.values() for f in g.held]
+        queued = ([s.request_id for s in self.waiting] + [s.request_id for s in self.running]
+                  + [s.request_id for s in held])
         assert len(queued) == len(set(queued)) and set(queued) == live, (queued, live)
         for s in self.waiting:
             assert not s.block_ids and s.slot_id is None and s.num_computed_tokens == 0, s
@@ -383,6 +495,29 @@ class Scheduler:
                     if not self._preempt_for(seq, 0, entries, preempted):
                         break
                     budget = cfg.max_num_batched_tokens - sum(e.num_new_tokens for e in entries.values())
+                    continue
+                g = self._group_of(seq) if self._groups else None
+                if g is not None and g.ready and seq is not g.leader and not seq.num_computed_tokens \
+                        and seq.num_preemptions == 0:
+                    # a choice of an n > 1 request: fork from the leader's prompt
+                    extra = 1  # the copy of the partial last page, or the page position fork_pos starts
+                    if not self.cache.can_allocate(extra, 1):
+                        self.prefix_cache.evict(extra)
+                        if not self.cache.can_allocate(extra, 1):
+                            break
+                    self.waiting.popleft()
+                    seq.status = SequenceStatus.RUNNING
+                    if seq.first_scheduled_time_s is None:
+                        seq.first_scheduled_time_s = now
+                    self.num_prompt_tokens_admitted += seq.num_prompt_tokens
+                    self._fork(seq, g)
+                    seq.fork_group = None
+                    self.running.append(seq)
+                    num_new = self._num_new_tokens(seq, budget)
+                    entries[seq.request_id] = self._schedule_seq(seq, num_new, out)
+                    budget -= num_new
+                    if not any(getattr(w, "fork_group", None) == g.name for w in self.waiting):
+                        self._release_group(g.name, requeue=False)
                     continue
                 match = self._match(seq)
                 num_new = self._num_new_tokens(seq, budget)
@@ -459,6 +594,10 @@ class Scheduler:
                 boundary = (start // self.checkpoint_interval + 1) * self.checkpoint_interval
                 if boundary < start + n:
                     n = boundary - start
+                if self._groups:
+                    g = self._group_of(seq)
+                    if g is not None and g.leader is seq and not g.ready and start < g.fork_pos < start + n:
+                        n = g.fork_pos - start  # stop where the choices fork
         return n
 
     # -- prefix cache --------------------------------------------------------------------------
@@ -567,7 +706,11 @@ class Scheduler:
         had_slot = seq.slot_id is not None
         self.cache.allocate_blocks_for(seq, start + num_new)
         assert seq.slot_id is not None
-        if not had_slot and start > 0 and self.prefix_cache is not None:
+        fork_source = getattr(seq, "fork_source", None)
+        if fork_source is not None:  # forked from its leader's prompt (n > 1)
+            self.prefix_cache._ops.append(CacheOp("load_slot", (fork_source,), (seq.slot_id,)))
+            seq.fork_source = None
+        elif not had_slot and start > 0 and self.prefix_cache is not None:
             # resumed through the cache: its slot starts from the checkpoint
             node = seq.cache_node
             if node.checkpoint is not None:
@@ -576,6 +719,8 @@ class Scheduler:
                 self.prefix_cache._ops.append(CacheOp("load_slot_host", (node.host_checkpoint,), (seq.slot_id,)))
         if out is not None:
             self._plan_snapshot(seq, start + num_new, out)
+            if self._groups:
+                self._plan_fork_snapshot(seq, start + num_new, out)
         return ScheduledSequence(
             request_id=seq.request_id,
             token_ids=seq.token_slice(start, start + num_new),
@@ -588,7 +733,33 @@ class Scheduler:
             num_output_tokens=seq.num_output_tokens,
         )
 
+    def _leave_group(self, seq: Sequence) -> None:
+        """`seq` finishes or is preempted: a held follower leaves its group; a leader that has not
+        forked yet gives its followers back to the queue as ordinary requests; a group whose last
+        follower leaves is dropped."""
+        g = self._group_of(seq)
+        if g is None:
+            return
+        name = seq.fork_group
+        if seq in g.held:
+            g.held.remove(seq)
+            seq.fork_group = None
+            if not g.held and g.ready:
+                self._release_group(name, requeue=False)
+            return
+        if g.leader is seq and not g.ready:
+            self._release_group(name, requeue=True)
+            seq.fork_group = None
+        elif g.leader is not seq:
+            seq.fork_group = None
+            if g.ready and not any(getattr(w, "fork_group", None) == name for w in self.waiting):
+                self._release_group(name, requeue=False)
+        else:
+            seq.fork_group = None  # a ready group's leader: its followers keep their fork
+
     def _preempt(self, seq: Sequence) -> None:
+        if self._groups:
+            self._leave_group(seq)
         self.running.remove(seq)
         if self.prefix_cache is not None:
             self._release_cache_node(seq)
@@ -601,6 +772,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if self._groups:
+            self._leave_group(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -648,6 +821,8 @@ class Scheduler:
             seq.num_computed_tokens += entry.num_new_tokens
             if self._pending_snapshots and seq.request_id in self._pending_snapshots:
                 self._commit_snapshot(seq)
+            if self._groups:
+                self._commit_fork(seq)
             if not entry.do_sample:
                 continue  # partial prefill chunk: state written, nothing sampled
             seq.append_token(int(token), lp)

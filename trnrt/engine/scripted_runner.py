@@ -165,6 +165,8 @@ class ScriptedRunner:
                     self._pages[b] = list(self._host_pages[a])
                 elif op.kind == "ckpt_to_host":
                     self._host_ckpts[b] = self._ckpts[a]
+                elif op.kind == "copy_pages":
+                    self._pages[b] = list(self._pages[a])
                 else:
                     raise ValueError(f"unknown cache op {op.kind!r}")
 

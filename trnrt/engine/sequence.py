@@ -64,6 +64,10 @@ class Sequence:
     num_cached_tokens: int = 0
     num_cached_tokens_host: int = 0
     cache_node: object | None = None
+    # n > 1: the prefix_group this sequence forks with (None once forked or released), and the
+    # checkpoint id its slot is restored from when it is admitted as a fork
+    fork_group: str | None = None
+    fork_source: int | None = None
 
     # -- sizes -------------------------------------------------------------------------------
 
