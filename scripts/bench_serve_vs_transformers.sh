@@ -6,7 +6,8 @@
 #
 # What it does:
 #   1. starts `trnrt serve --model CKPT` and `transformers serve CKPT` (CPU), each on a free port;
-#   2. runs `trnrt bench serve` against each, alternating, ROUNDS rounds: streamed
+#   2. runs `trnrt bench serve` against each (after one uncounted warm-up batch of MAX_CONCURRENCY
+#      requests per side), alternating, ROUNDS rounds: streamed
 #      /v1/chat/completions, NUM_PROMPTS requests, MAX_CONCURRENCY in flight, INPUT_LEN-word random
 #      prompts (the same prompts on both sides: same seed), OUTPUT_LEN new tokens, greedy;
 #   3. prints each run and the ratios trnrt / transformers: output tok/s (higher is better for
@@ -156,6 +157,15 @@ print(f"  completed {s['completed']}/{n}, {s['total_output_tokens']} output toke
 sys.exit(0 if s["completed"] == n and s["failed"] == 0 and s["total_output_tokens"] == n * m else 1)
 EOF
 }
+# Warm-up, not counted: one batch of MAX_CONCURRENCY requests per side, so that neither side's first
+# round pays for first-use costs (trnrt's first batch-2..8 decode steps, allocator growth).
+for side in trnrt transformers; do
+    url=$T; [[ $side == transformers ]] && url=$H
+    extra=(); [[ $side == transformers ]] && extra=(--model "$CKPT" --disable-ignore-eos --extra-request-body "$TF_BODY")
+    echo "warm-up: $side"
+    "$TRNRT_VENV/bin/trnrt" bench serve --url "$url" "${extra[@]}" "${COMMON[@]}" --num-prompts "$MAX_CONCURRENCY" \
+        >"$WORK/warmup-$side.json" 2>&1 || echo "  (warm-up exit $?: $(tail -c 300 "$WORK/warmup-$side.json"))"
+done
 for r in $(seq "$ROUNDS"); do
     run trnrt "$r"
     run transformers "$r"
