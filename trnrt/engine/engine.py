@@ -746,8 +746,9 @@ class Engine:
         self._streams[rid] = stream
         self._detoks[rid] = IncrementalDetokenizer(
             self._decoder, request.prompt_token_ids, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
+            stop_regex=sp.stop_regex, include_stop_str_in_output=sp.include_stop_str_in_output,
             # nobody reads a non-streamed request's text before it ends: decode it once, at the end
-            deferred=not request.stream and not any(sp.stop),
+            deferred=not request.stream and not any(sp.stop) and not sp.stop_regex,
         )
 
     def _finish_stream(self, rid: str, stream: OutputStream, output: RequestOutput) -> None:

@@ -41,6 +41,12 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    # SGLang's stop_regex: pattern strings, compiled by validate() into trnrt.engine.stop.StopRegex
+    # (RE2, cached) on the caller's thread, never on the engine thread.
+    stop_regex: list = field(default_factory=list)
+    # Keep the matched stop string / regex match / stop token's text (vLLM's
+    # include_stop_str_in_output, SGLang's no_stop_trim).
+    include_stop_str_in_output: bool = False
 
     MAX_TOP_LOGPROBS = 20
 
@@ -49,6 +55,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        self.stop_regex = list(self.stop_regex or [])
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise InvalidRequestError naming the field when a value is out of range."""
@@ -70,6 +79,12 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if self.stop_regex:
+            from trnrt.engine.stop import MAX_STOP_REGEX, StopRegex, compile_stop_regex
+
+            if len(self.stop_regex) > MAX_STOP_REGEX:
+                bad("stop_regex", f"accepts at most {MAX_STOP_REGEX} patterns")
+            self.stop_regex = [r if isinstance(r, StopRegex) else compile_stop_regex(r) for r in self.stop_regex]
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad("stop_token_ids", f"contains an invalid token id {t!r}")
