@@ -9,7 +9,7 @@ from trnrt.serve.output.openai import ChatRenderer, CompletionRenderer
 from trnrt.serve.output.reasoning import ReasoningParser
 from trnrt.serve.output.tool_calls import ToolCallParser
 from trnrt.serve.protocol.chat_template import apply_template_defaults, render_chat
-from trnrt.serve.protocol.openai import (chat_to_engine_request, completion_to_engine_requests,
+from trnrt.serve.protocol.openai import (chat_to_engine_requests, completion_to_engine_requests,
                                          engine_field_to_openai, parse_chat, parse_completion)
 
 
@@ -58,16 +58,19 @@ class ChatCompletions:
         # server strips special tokens afterwards if the client asked for that.
         if use_tools or use_reasoning:
             creq.params.skip_special_tokens = False
-        greq = chat_to_engine_request(creq, prompt.ids, st.context_len, st.engine.model_info.vocab_size)
+        greqs = chat_to_engine_requests(creq, prompt.ids, st.context_len, st.engine.model_info.vocab_size)
 
-        reasoning = (ReasoningParser(forced=prompt.forced_reasoning, tool_start="<tool_call>" if use_tools else None)
-                     if use_reasoning else None)
-        tools = ToolCallParser(creq.tools, st.settings.tool_call_parser) if use_tools else None
-        out = ChatOutput(ti, reasoning, tools, strip_special=creq.user_skip_special_tokens,
-                         stream_reasoning=creq.stream_reasoning)
-        counter = TokenCounter(len(prompt.ids), ti, count_reasoning=use_reasoning, forced=prompt.forced_reasoning)
-        sub = submit(st, [greq], lambda f: engine_field_to_openai(f, "messages"), admission=adm, req=req)
-        respond(req, resp, sub, ChatRenderer(st.model_name, ti, creq, out, counter), creq.stream)
+        def choice():  # each choice parses its own output
+            reasoning = (ReasoningParser(forced=prompt.forced_reasoning, tool_start="<tool_call>" if use_tools else None)
+                         if use_reasoning else None)
+            tools = ToolCallParser(creq.tools, st.settings.tool_call_parser) if use_tools else None
+            out = ChatOutput(ti, reasoning, tools, strip_special=creq.user_skip_special_tokens,
+                             stream_reasoning=creq.stream_reasoning)
+            return out, TokenCounter(len(prompt.ids), ti, count_reasoning=use_reasoning, forced=prompt.forced_reasoning)
+
+        outs, counters = zip(*[choice() for _ in greqs])
+        sub = submit(st, greqs, lambda f: engine_field_to_openai(f, "messages"), admission=adm, req=req)
+        respond(req, resp, sub, ChatRenderer(st.model_name, ti, creq, list(outs), list(counters)), creq.stream)
 
 
 class Completions:
@@ -82,5 +85,6 @@ class Completions:
             reqs, echo_texts = completion_to_engine_requests(creq, ti.tokenizer, st.context_len,
                                                              st.engine.model_info.vocab_size)
             sub = submit(st, reqs, lambda f: engine_field_to_openai(f, "prompt"), admission=adm, req=req)
-        renderer = CompletionRenderer(st.model_name, ti, creq, [len(r.prompt_token_ids) for r in reqs], echo_texts)
+        renderer = CompletionRenderer(st.model_name, ti, creq, [len(r.prompt_token_ids) for r in reqs], echo_texts,
+                                      n=creq.n)
         respond(req, resp, sub, renderer, creq.stream)

@@ -57,103 +57,145 @@ def openai_error_event(err: APIError) -> list[bytes]:
     return [sse.event(body), sse.DONE]
 
 
-class ChatRenderer:
-    """One chat request's response (a single choice)."""
+class _Choice:
+    """The running state of one chat choice."""
 
-    def __init__(self, model: str, ti, creq, out: ChatOutput, counter: TokenCounter):
-        self.model, self.ti, self.creq, self.out, self.counter = model, ti, creq, out, counter
+    def __init__(self, out: ChatOutput, counter: TokenCounter):
+        self.out, self.counter = out, counter
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.lps: list[TokenLogprob] = []
+        self.pending_lps: list[TokenLogprob] = []
+        self.last: RequestOutput | None = None
+
+
+class ChatRenderer:
+    """One chat request's response: `n` choices (`outs` / `counters`: one per choice, in index
+    order). The prompt counts once in usage, however many choices share it."""
+
+    def __init__(self, model: str, ti, creq, outs, counters):
+        if isinstance(outs, ChatOutput):  # a single choice
+            outs, counters = [outs], [counters]
+        self.model, self.ti, self.creq = model, ti, creq
+        self.choices = [_Choice(o, c) for o, c in zip(outs, counters)]
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
 
     error_event = staticmethod(openai_error_event)
 
-    def _finish(self, o: RequestOutput) -> tuple[str, object]:
+    @property
+    def out(self) -> ChatOutput:  # the first choice's (single-choice callers)
+        return self.choices[0].out
+
+    @property
+    def counter(self) -> TokenCounter:
+        return self.choices[0].counter
+
+    def _finish(self, o: RequestOutput, ch: "_Choice | None" = None) -> tuple[str, object]:
+        ch = ch or self.choices[0]
         reason, matched = openai_finish(finish_of(o))
-        if reason == "stop" and self.out.tools is not None and self.out.tools.has_complete_calls:
+        if reason == "stop" and ch.out.tools is not None and ch.out.tools.has_complete_calls:
             return "tool_calls", None
         return reason, matched
 
     def _usage(self) -> dict:
-        c = self.counter
-        return usage(c.n_prompt, c.num_output, c.reasoning, c.num_cached)
+        cs = [ch.counter for ch in self.choices]
+        reasoning = [c.reasoning for c in cs]
+        total_reasoning = None if all(r is None for r in reasoning) else sum(r or 0 for r in reasoning)
+        return usage(cs[0].n_prompt, sum(c.num_output for c in cs), total_reasoning, cs[0].num_cached)
 
-    def collect(self, outputs: Iterator[tuple[int, RequestOutput]]) -> dict:
-        reasoning, content, lps = [], [], []
-        last = None
-        for _, o in outputs:
-            self.counter.add(o)
-            d = self.out.feed(o.new_text)
-            reasoning.append(d.get("reasoning_content", ""))
-            content.append(d.get("content", ""))
-            if o.new_logprobs:
-                lps.extend(o.new_logprobs)
-            last = o
-        finish, matched = self._finish(last)  # raises for errors and system aborts
-        d = self.out.finish()
-        reasoning.append(d.get("reasoning_content", ""))
-        content.append(d.get("content", ""))
-        message: dict = {"role": "assistant", "content": "".join(content), "reasoning_content": None}
-        if self.out.reasoning is not None and "".join(reasoning):
-            message["reasoning_content"] = "".join(reasoning)
-        if self.out.tools is not None:
-            calls = [c for c in self.out.tools.calls if c.complete]
+    def _message(self, ch: "_Choice") -> dict:
+        out = ch.out
+        message: dict = {"role": "assistant", "content": "".join(ch.content), "reasoning_content": None}
+        if out.reasoning is not None and "".join(ch.reasoning):
+            message["reasoning_content"] = "".join(ch.reasoning)
+        if out.tools is not None:
+            calls = [c for c in out.tools.calls if c.complete]
             if calls:
                 message["tool_calls"] = [c.to_openai() for c in calls]
                 message["content"] = message["content"].strip()
-            elif self.out.tools.calls or "<tool_call>" in self.out.raw_content:
+            elif out.tools.calls or "<tool_call>" in out.raw_content:
                 # A marker but no complete call: the raw text is the answer.
-                message["content"] = self.out.clean(self.out.raw_content)
-        logprobs = None
-        if self.creq.want_logprobs:
-            logprobs = {"content": chat_logprobs(self.ti, lps, self.creq.params.logprobs or 0)}
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish,
-                             "matched_stop": matched}],
-                "usage": self._usage(), "metadata": {"weight_version": "default"}}
+                message["content"] = out.clean(out.raw_content)
+        return message
 
-    def _chunk(self, delta: dict, logprobs=None, finish=None, matched=None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "matched_stop": matched}
+    def collect(self, outputs: Iterator[tuple[int, RequestOutput]]) -> dict:
+        for i, o in outputs:
+            ch = self.choices[i]
+            ch.counter.add(o)
+            d = ch.out.feed(o.new_text)
+            ch.reasoning.append(d.get("reasoning_content", ""))
+            ch.content.append(d.get("content", ""))
+            if o.new_logprobs:
+                ch.lps.extend(o.new_logprobs)
+            ch.last = o
+        choices = []
+        for i, ch in enumerate(self.choices):
+            finish, matched = self._finish(ch.last, ch)  # raises for errors and system aborts
+            d = ch.out.finish()
+            ch.reasoning.append(d.get("reasoning_content", ""))
+            ch.content.append(d.get("content", ""))
+            logprobs = None
+            if self.creq.want_logprobs:
+                logprobs = {"content": chat_logprobs(self.ti, ch.lps, self.creq.params.logprobs or 0)}
+            choices.append({"index": i, "message": self._message(ch), "logprobs": logprobs, "finish_reason": finish,
+                            "matched_stop": matched})
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self._usage(), "metadata": {"weight_version": "default"}}
+
+    def _chunk(self, delta: dict, logprobs=None, finish=None, matched=None, index: int = 0) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                  "matched_stop": matched}
         return sse.event({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                           "model": self.model, "choices": [choice]})
 
     def sse(self, outputs: Iterator[tuple[int, RequestOutput]]) -> Iterator[bytes]:
         want_lp = self.creq.want_logprobs
         n_top = self.creq.params.logprobs or 0
-        yield self._chunk({"role": "assistant", "content": ""})
-        pending_lps: list[TokenLogprob] = []
-        last = None
-        for _, o in outputs:
-            self.counter.add(o)
-            last = o
+        for i in range(len(self.choices)):
+            yield self._chunk({"role": "assistant", "content": ""}, index=i)
+        for i, o in outputs:
+            ch = self.choices[i]
+            ch.counter.add(o)
+            ch.last = o
             if o.finished:
                 finish_of(o)  # an error or a system abort ends the stream with an error event
-            d = self.out.feed(o.new_text)
+            d = ch.out.feed(o.new_text)
             if want_lp and o.new_logprobs:
-                pending_lps.extend(o.new_logprobs)
+                ch.pending_lps.extend(o.new_logprobs)
             if d:
-                lp = {"content": chat_logprobs(self.ti, pending_lps, n_top)} if want_lp else None
-                pending_lps = []
-                yield self._chunk(d, lp)
-        d = self.out.finish()
-        lp = {"content": chat_logprobs(self.ti, pending_lps, n_top)} if (want_lp and pending_lps) else None
-        if d:
-            yield self._chunk(d, lp)
-            lp = None
-        finish, matched = self._finish(last)
-        yield self._chunk({}, lp, finish, matched)
+                lp = {"content": chat_logprobs(self.ti, ch.pending_lps, n_top)} if want_lp else None
+                ch.pending_lps = []
+                yield self._chunk(d, lp, index=i)
+            if o.finished:
+                yield from self._end_choice(i, ch, want_lp, n_top)
+        for i, ch in enumerate(self.choices):
+            if ch.last is None or not ch.last.finished:  # (a stream that ended without its final output)
+                yield from self._end_choice(i, ch, want_lp, n_top)
         if self.creq.include_usage:
             yield sse.event({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                              "model": self.model, "choices": [], "usage": self._usage()})
         yield sse.DONE
 
+    def _end_choice(self, i: int, ch: "_Choice", want_lp: bool, n_top: int) -> Iterator[bytes]:
+        d = ch.out.finish()
+        lp = {"content": chat_logprobs(self.ti, ch.pending_lps, n_top)} if (want_lp and ch.pending_lps) else None
+        ch.pending_lps = []
+        if d:
+            yield self._chunk(d, lp, index=i)
+            lp = None
+        finish, matched = self._finish(ch.last, ch)
+        yield self._chunk({}, lp, finish, matched, index=i)
+
 
 class CompletionRenderer:
     """One /v1/completions response: a choice per prompt."""
 
-    def __init__(self, model: str, ti, creq, prompt_lens: list[int], echo_texts: list[str]):
-        self.model, self.ti, self.creq = model, ti, creq
+    def __init__(self, model: str, ti, creq, prompt_lens: list[int], echo_texts: list[str], n: int = 1):
+        # one entry per choice (prompt p's choice j is index p * n + j); usage counts each prompt once
+        self.model, self.ti, self.creq, self.n = model, ti, creq, n
         self.echo_texts = echo_texts
-        self.counters = [TokenCounter(n) for n in prompt_lens]
+        self.counters = [TokenCounter(k) for k in prompt_lens]
         self.id = "cmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -161,7 +203,8 @@ class CompletionRenderer:
 
     def _usage(self) -> dict:
         cs = self.counters
-        return usage(sum(c.n_prompt for c in cs), sum(c.num_output for c in cs), 0, sum(c.num_cached for c in cs))
+        first = cs[::self.n]  # one choice per prompt: the prompt counts once
+        return usage(sum(c.n_prompt for c in first), sum(c.num_output for c in cs), 0, sum(c.num_cached for c in first))
 
     def collect(self, outputs: Iterator[tuple[int, RequestOutput]]) -> dict:
         n = len(self.counters)

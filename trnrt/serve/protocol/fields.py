@@ -170,8 +170,6 @@ def _never(v) -> bool:
 # equivalent spelling included); anything else is a 400 naming the field. The test returns True
 # when the given value is neutral. Shared by the OpenAI and SGLang adapters.
 NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "n": _neutral(1),
-    "best_of": _neutral(1),
     "frequency_penalty": _neutral(0),
     "presence_penalty": _neutral(0),
     "repetition_penalty": _neutral(1),

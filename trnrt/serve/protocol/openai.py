@@ -8,6 +8,8 @@ client never gets silently different behaviour than it asked for. Pure Python (n
 
 from __future__ import annotations
 
+import uuid
+
 import json
 import logging
 import re
@@ -75,6 +77,7 @@ class CommonRequest:
     max_tokens_param: str = "max_tokens"  # the spelling the client used, for error messages
     rid: str | None = None  # the engine request id the client chose (SGLang `rid`, vLLM `request_id`)
     priority: int | None = None  # SGLang's scheduling priority (None: the server's default)
+    n: int = 1  # choices per prompt (each its own engine request; the prompt is computed once)
 
 
 @dataclass
@@ -124,9 +127,33 @@ def _common(body: dict, max_tokens: int | None) -> tuple[CommonRequest, dict]:
     rid = _str(body, "request_id", None) if rid is None else rid
     if rid is not None and not rid:
         raise bad_request("rid must be a non-empty string", "rid" if "rid" in body else "request_id")
+    n = _int(body, "n", 1, 1, MAX_N)
+    best_of = _int(body, "best_of", None, 1, MAX_N)
+    if best_of is not None and best_of != n:  # vLLM serves best_of only equal to n (no ranking)
+        raise bad_request(f"best_of must equal n ({n}) on this server, got {best_of}", "best_of")
     common = CommonRequest(model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-                           params=params, rid=rid, priority=check_priority(body.get("priority"), lax=True))
+                           params=params, rid=rid, priority=check_priority(body.get("priority"), lax=True), n=n)
     return common, body
+
+
+MAX_N = 128  # choices per request (SGLang and vLLM leave it unbounded; every choice holds a slot)
+
+
+def expand_choices(base: GenerateRequest, n: int, group: str) -> list[GenerateRequest]:
+    """The n engine requests of one prompt: same prompt, prefix_group `group` (the engine computes
+    the prompt once), choice i seeded `seed + i` when the client gave a seed (vLLM), request ids
+    `<rid>_<i>` when the client chose a rid (SGLang's batch rule)."""
+    if n == 1:
+        return [base]
+    out = []
+    for i in range(n):
+        params = base.sampling_params.clone()
+        if params.seed is not None:
+            params.seed = (params.seed + i) & ((1 << 64) - 1)
+        kw = {"request_id": f"{base.request_id}_{i}"} if base.request_id else {}
+        out.append(GenerateRequest(base.prompt_token_ids, params, stream=base.stream, priority=base.priority,
+                                   prefix_group=group, **kw))
+    return out
 
 
 def parse_chat(body: dict) -> ChatRequest:
@@ -384,6 +411,18 @@ def chat_to_engine_request(creq: ChatRequest, prompt_ids: list[int], ctx: int, v
     return GenerateRequest(prompt_ids, creq.params, stream=creq.stream, priority=creq.priority, **kw)
 
 
+def chat_to_engine_requests(creq: ChatRequest, prompt_ids: list[int], ctx: int, vocab_size: int
+                            ) -> list[GenerateRequest]:
+    """The creq.n engine requests of a rendered chat request (one per choice)."""
+    base = chat_to_engine_request(creq, prompt_ids, ctx, vocab_size)
+    if creq.n == 1:
+        return [base]
+    group = "chat-" + uuid.uuid4().hex
+    if not creq.rid:
+        base.request_id = ""
+    return expand_choices(base, creq.n, group)
+
+
 def completion_to_engine_requests(creq: CompletionRequest, tokenizer, ctx: int, vocab_size: int
                                   ) -> tuple[list[GenerateRequest], list[str]]:
     """One engine request per prompt, and the echo text of each."""
@@ -406,9 +445,18 @@ def completion_to_engine_requests(creq: CompletionRequest, tokenizer, ctx: int, 
         kw = {}
         if creq.rid:  # several prompts: SGLang's batch rule, rid_i
             kw["request_id"] = creq.rid if len(creq.prompts) == 1 else f"{creq.rid}_{i}"
-        reqs.append(GenerateRequest(ids, params, stream=creq.stream, priority=creq.priority, **kw))
+        base = GenerateRequest(ids, params, stream=creq.stream, priority=creq.priority, **kw)
+        if creq.n > 1:
+            if not creq.rid:
+                base.request_id = ""
+            choices = expand_choices(base, creq.n, f"cmpl-{uuid.uuid4().hex}-{i}")
+            reqs.extend(choices)
+            echo_texts.extend([echo_texts[-1]] * (creq.n - 1))
+        else:
+            reqs.append(base)
     return reqs, echo_texts
 
 
 __all__ = ["ChatRequest", "CompletionRequest", "OpenAIError", "parse_chat", "parse_completion",
-           "engine_field_to_openai", "chat_to_engine_request", "completion_to_engine_requests", "context_check"]
+           "engine_field_to_openai", "chat_to_engine_request", "chat_to_engine_requests", "completion_to_engine_requests",
+           "context_check", "expand_choices", "MAX_N"]
