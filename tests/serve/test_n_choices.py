@@ -126,3 +126,20 @@ def test_disconnect_mid_stream_aborts_every_choice(scripted_server):
     assert_idle(server, timeout_s=10.0)
     server.engine.scheduler.check_integrity()
     assert not server.engine.scheduler._groups
+
+
+def test_generate_n_is_a_list_grouped_by_prompt(any_server):
+    forked = any_server.engine.scheduler.num_forked
+    b = {"text": ["Once upon a time there was", "The weather in Paris is"],
+         "sampling_params": {"max_new_tokens": 4, "n": 3, "temperature": 0.9, "sampling_seed": 5}}
+    status, d = post(any_server, "/generate", b)
+    assert status == 200, d
+    assert isinstance(d, list) and len(d) == 6
+    assert len({o["meta_info"]["id"] for o in d}) == 6
+    assert any_server.engine.scheduler.num_forked - forked == 4  # 2 per prompt
+    status, single = post(any_server, "/generate", {"text": "Once upon a time there was",
+                                                    "sampling_params": {"max_new_tokens": 4, "n": 3}})
+    assert status == 200 and isinstance(single, list) and len(single) == 3
+    status, bad = post(any_server, "/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]})
+    assert status == 400, bad
+    assert_idle(any_server)

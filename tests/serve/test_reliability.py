@@ -189,6 +189,7 @@ SAMPLING_OPENAI = [
     fld("top_p", num_in(0, 1, lo_open=True), numeric=True, extra=[("one", 1, "2xx"), ("half", 0.5, "2xx")]),
     fld("top_k", int_in(-1), numeric=True, extra=[("minus-two", -2, "4xx"), ("one", 1, "2xx")]),
     fld("min_p", num_in(0, 1), numeric=True, extra=[("above-one", 1.5, "4xx")]),
+    fld("n", int_in(1, 128), numeric=True, extra=[("two", 2, "2xx"), ("max", 128, "2xx"), ("over", 129, "4xx")]),
     fld("priority", int_in(-(2**63), 2**63 - 1), numeric=True),  # served (ignored without --enable-priority-scheduling)
     fld("seed", int_in(), numeric=True, extra=[("int64-max", 2**63 - 1, "2xx"), ("below-int64", -(2**63) - 1, "2xx")]),
     fld("stop", stop_ok, text=True, extra=[("empty-string", "", "4xx"), ("empty-in-list", ["a", ""], "4xx"),
@@ -204,7 +205,7 @@ SAMPLING_OPENAI = [
     fld("stream_options", only_null, extra=[("without-stream", {"include_usage": True}, "4xx")]),
 ]
 NEUTRAL_COMMON = [
-    ("n", 1), ("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1), ("logit_bias", {}),
+    ("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1), ("logit_bias", {}),
     ("min_tokens", 0), ("no_stop_trim", False), ("include_stop_str_in_output", False), ("return_hidden_states", False),
     ("thinking_token_budget", -1), ("spaces_between_special_tokens", True),
 ]
@@ -334,7 +335,7 @@ COMPLETION_FIELDS = [
     *SAMPLING_OPENAI,
     fld("echo", is_bool),
     fld("logprobs", int_in(0, 20), numeric=True, extra=[("max", 20, "2xx"), ("over-max", 21, "4xx")]),
-    fld("best_of", neutral(1), extra=[("one", 1, "2xx"), ("two", 2, "4xx")]),
+    fld("best_of", lambda v: v is None or (is_int(v) and v == 1), extra=[("one", 1, "2xx"), ("two", 2, "4xx")]),
     fld("suffix", neutral(""), text=True, extra=[("empty", "", "2xx")]),
     *neutral_fields(NEUTRAL_COMMON, NEVER_COMMON + ["json_schema", "logprob_start_len"]),
 ]
@@ -378,13 +379,14 @@ GENERATE_SAMPLING = [
     fld("top_k", int_in(-1), numeric=True),
     fld("min_p", num_in(0, 1), numeric=True),
     fld("sampling_seed", int_in(), numeric=True),
+    fld("n", int_in(1, 128), numeric=True, extra=[("two", 2, "2xx")]),
     fld("stop", stop_ok, text=True, extra=[("33", ["s"] * 33, "4xx")]),
     fld("stop_token_ids", ids_ok, extra=[("oov", [VOCAB_OOV], "4xx")]),
     fld("ignore_eos", is_bool),
     fld("skip_special_tokens", is_bool),
     fld("stream_interval", int_in(1), numeric=True),
     *[fld(k, neutral(v), extra=[("neutral", v, "2xx")]) for k, v in [
-        ("min_new_tokens", 0), ("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1), ("n", 1),
+        ("min_new_tokens", 0), ("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1),
         ("spaces_between_special_tokens", True), ("no_stop_trim", False), ("logit_bias", {})]],
     *[fld(k, only_null) for k in ("json_schema", "regex", "ebnf", "structural_tag", "custom_params", "beam_width",
                                   "watermark")],

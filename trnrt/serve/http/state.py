@@ -34,6 +34,8 @@ class ServeSettings:
     poll_interval_s: how often a waiting worker checks for a disconnected client.
     default_chat_template_kwargs: merged under each request's chat_template_kwargs.
     incremental_streaming_output: SGLang's flag: /generate streams carry deltas, not cumulative text.
+    stream_response_default_include_usage: SGLang's flag: every streamed OpenAI response ends with
+        the usage chunk, as with stream_options.include_usage.
     allowed_origins / allowed_hosts / bind_host: the Origin and Host checks (trnrt.serve.http.origin).
     tokenizer_path: the tokenizer directory the server loads (None: the engine's `model_path`);
         /model_info reports it, and bench_serving and the router load their tokenizer from it.
@@ -64,6 +66,7 @@ class ServeSettings:
     poll_interval_s: float = 0.05
     default_chat_template_kwargs: dict = field(default_factory=dict)
     incremental_streaming_output: bool = False
+    stream_response_default_include_usage: bool = False
     allowed_origins: tuple = ()
     allowed_hosts: tuple | None = None
     bind_host: str | None = None

@@ -36,8 +36,9 @@ SAMPLING_KEYS = (
     "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
 )
 # Served by the engine today; the rest are refused unless neutral (fields.NEUTRAL).
-SERVED_SAMPLING_KEYS = {"max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
-                        "ignore_eos", "skip_special_tokens", "sampling_seed", "stream_interval"}
+SERVED_SAMPLING_KEYS = {"max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+                        "min_p", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+                        "sampling_seed", "stream_interval"}
 _UNSERVED_SAMPLING = [k for k in SAMPLING_KEYS if k not in SERVED_SAMPLING_KEYS]
 
 # Top-level GenerateReqInput fields trnrt serves, and those it knows but refuses unless neutral
@@ -98,6 +99,7 @@ class GenerateItem:
     top_logprobs_num: int
     stream_interval: int | None = None  # None: the server's --stream-interval
     priority: int | None = None  # SGLang's scheduling priority (None: the server's default)
+    prefix_group: str | None = None  # sampling_params.n > 1: the choices of one prompt share it
 
 
 @dataclass
@@ -287,11 +289,41 @@ def parse_generate(body: dict) -> GenerateRequestIn:
                                   params=params, max_new_tokens=max_new, max_new_tokens_given=given,
                                   rid=rids[i], return_logprob=return_lp[i], top_logprobs_num=top_n[i],
                                   stream_interval=si, priority=priorities[i]))
+    items, is_batch = _expand_n(items, sps, is_batch)
     return GenerateRequestIn(
         items=items, is_batch=is_batch, stream=stream,
         return_text_in_logprobs=read_bool(body, "return_text_in_logprobs", False, err=contract_error),
         return_prompt_token_ids=read_bool(body, "return_prompt_token_ids", False, err=contract_error),
     )
+
+
+def _expand_n(items: list[GenerateItem], sps: list[dict], is_batch: bool) -> tuple[list[GenerateItem], bool]:
+    """sampling_params.n > 1 (SGLang's parallel sampling): each prompt becomes n items, grouped by
+    prompt (all of prompt 0, then prompt 1, ...), each with a fresh rid; the response is a list.
+    Choice i of a seeded prompt samples with seed + i. The engine computes each prompt once."""
+    import dataclasses
+    import uuid
+
+    from trnrt.serve.protocol.openai import MAX_N
+
+    ns = [read_int(sp, "n", 1, lo=1, hi=MAX_N, label="sampling_params.n", err=contract_error) for sp in sps]
+    if all(n == 1 for n in ns):
+        return items, is_batch
+    if len(set(ns)) > 1:
+        raise bad_request("sampling_params.n must be the same for every prompt of a batch", "sampling_params.n")
+    n = ns[0]
+    if len(items) * n > MAX_BATCH:
+        raise bad_request(f"a /generate batch holds at most {MAX_BATCH} outputs (prompts x n), "
+                          f"got {len(items) * n}", "sampling_params.n")
+    out = []
+    for item in items:
+        group = "gen-" + uuid.uuid4().hex
+        for i in range(n):
+            params = item.params.clone()
+            if params.seed is not None:
+                params.seed = (params.seed + i) & ((1 << 64) - 1)
+            out.append(dataclasses.replace(item, params=params, rid=None, prefix_group=group))
+    return out, True
 
 
 def _context_max_new(item: GenerateItem, n_prompt: int, ctx: int) -> int:
@@ -331,7 +363,7 @@ def to_engine_requests(greq: GenerateRequestIn, tokenizer, ctx: int, vocab_size:
         check_sampling(params, vocab_size, SGLANG, renames={"logprobs": "top_logprobs_num"})
         kw = {"request_id": item.rid} if item.rid is not None else {}
         out.append(GenerateRequest(list(ids), params, stream=greq.stream, stream_interval=item.stream_interval,
-                                   priority=item.priority, **kw))
+                                   priority=item.priority, prefix_group=item.prefix_group, **kw))
     return out
 
 
@@ -341,7 +373,7 @@ def engine_field_to_sglang(name: str | None, greq: GenerateRequestIn) -> str | N
         return "input_ids" if greq.items[0].input_ids is not None else "text"
     if name == "rid":
         return "rid"
-    if name in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids"):
+    if name in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "stop_regex"):
         return "sampling_params." + name
     if name == "seed":
         return "sampling_params.sampling_seed"
