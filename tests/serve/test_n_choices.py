@@ -143,3 +143,24 @@ def test_generate_n_is_a_list_grouped_by_prompt(any_server):
     status, bad = post(any_server, "/generate", {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]})
     assert status == 400, bad
     assert_idle(any_server)
+
+
+def test_cache_salt_isolates_the_prefix_cache(scripted_server):
+    """Same long prompt: a different cache_salt (OpenAI routes) or extra_key (/generate) never
+    reuses cached state; the same one does."""
+    long = "SCRIPT:plain " + "lorem ipsum dolor " * 60
+    base = {"model": MODEL, "prompt": long, "max_tokens": 2}
+    cached = lambda d: (d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # noqa: E731
+    _, a = post(scripted_server, "/v1/completions", {**base, "cache_salt": "tenant-a"})
+    _, a2 = post(scripted_server, "/v1/completions", {**base, "cache_salt": "tenant-a"})
+    _, b = post(scripted_server, "/v1/completions", {**base, "cache_salt": "tenant-b"})
+    _, none = post(scripted_server, "/v1/completions", base)
+    assert cached(a) == 0 and cached(a2) > 0 and cached(b) == 0 and cached(none) == 0
+    g = {"text": long + " generate", "sampling_params": {"max_new_tokens": 2}}
+    _, x = post(scripted_server, "/generate", {**g, "extra_key": "k1"})
+    _, y = post(scripted_server, "/generate", {**g, "extra_key": "k2"})
+    _, z = post(scripted_server, "/generate", {**g, "extra_key": "k1"})
+    assert x["meta_info"]["cached_tokens"] == 0 and y["meta_info"]["cached_tokens"] == 0
+    assert z["meta_info"]["cached_tokens"] > 0
+    status, bad = post(scripted_server, "/v1/completions", {**base, "cache_salt": ""})
+    assert status == 400 and bad["error"]["param"] == "cache_salt"

@@ -106,7 +106,10 @@ class RadixCache:
         self.strategy = strategy if strategy is not None else _LRU()
         self.write_policy = write_policy
         self.clock = clock
-        self.root = TreeNode(device_pages=[])
+        # one tree per namespace (SGLang's extra_key / cache_salt): requests of different namespaces
+        # never share a prefix. None is the default namespace; others are created on first insert
+        # and dropped when they empty.
+        self._roots: dict[str | None, TreeNode] = {None: TreeNode(device_pages=[])}
         self._ops: list[CacheOp] = []
         # device pages of unlocked nodes (what eviction can free), kept up to date on every change
         # so that the per-step load gauges need no walk of the tree
@@ -115,6 +118,17 @@ class RadixCache:
         self.num_evicted_pages = 0
         self.num_host_loaded_pages = 0
         self.num_host_written_pages = 0
+
+    @property
+    def root(self) -> TreeNode:
+        """The default namespace's root."""
+        return self._roots[None]
+
+    def _root(self, namespace: str | None, create: bool = False) -> TreeNode | None:
+        r = self._roots.get(namespace)
+        if r is None and create:
+            r = self._roots[namespace] = TreeNode(device_pages=[])
+        return r
 
     @property
     def has_host_tier(self) -> bool:
@@ -135,12 +149,15 @@ class RadixCache:
         n = len(token_ids) // ps
         return [tuple(token_ids[i * ps:(i + 1) * ps]) for i in range(n)]
 
-    def _walk(self, token_ids: Seq[int]) -> tuple[list[TreeNode], TreeNode | None, int]:
+    def _walk(self, token_ids: Seq[int], namespace: str | None = None
+              ) -> tuple[list[TreeNode], TreeNode | None, int]:
         """Follow whole nodes along `token_ids`. Returns (the fully matched nodes, the node where
         the match stopped part-way or None, pages matched into that node)."""
         keys = self._page_keys(token_ids)
         path: list[TreeNode] = []
-        node, i = self.root, 0
+        node, i = self._root(namespace), 0
+        if node is None:
+            return path, None, 0
         ps = self.page_size
         while i < len(keys):
             child = node.children.get(keys[i])
@@ -157,20 +174,20 @@ class RadixCache:
             i += n_pages
         return path, None, 0
 
-    def match(self, token_ids: Seq[int], *, touch: bool = True) -> PrefixMatch:
+    def match(self, token_ids: Seq[int], *, touch: bool = True, namespace: str | None = None) -> PrefixMatch:
         """The longest cached prefix of `token_ids` that ends at a checkpoint.
 
         The caller passes at most the tokens it may skip (a prompt must compute at least its last
         token, so `prompt[:-1]`). With `touch`, access times along the usable path are refreshed
         and the strategy told (SGLang refreshes on match).
         """
-        path, _, _ = self._walk(token_ids)
+        path, _, _ = self._walk(token_ids, namespace)
         best = -1
         for i, node in enumerate(path):
             if node.has_checkpoint:
                 best = i
         if best < 0:
-            return PrefixMatch(self.root, [])
+            return PrefixMatch(self._root(namespace) or self.root, [])
         path = path[:best + 1]
         if touch:
             now = self.clock()
@@ -179,9 +196,9 @@ class RadixCache:
                 self.strategy.on_access(node, now)
         return PrefixMatch(path[-1], path)
 
-    def has_checkpoint_at(self, token_ids: Seq[int]) -> bool:
+    def has_checkpoint_at(self, token_ids: Seq[int], namespace: str | None = None) -> bool:
         """Whether a node ends exactly at len(token_ids) with a checkpoint (no snapshot needed)."""
-        path, partial, _ = self._walk(token_ids)
+        path, partial, _ = self._walk(token_ids, namespace)
         return (partial is None and bool(path) and path[-1].end_pos == len(token_ids)
                 and path[-1].has_checkpoint)
 
@@ -257,7 +274,7 @@ class RadixCache:
         return upper
 
     def insert(self, token_ids: Seq[int], page_ids: Seq[int], checkpoint: int | None, *,
-               priority: int = 0) -> tuple[TreeNode, bool]:
+               priority: int = 0, namespace: str | None = None) -> tuple[TreeNode, bool]:
         """Cache `token_ids` (a whole number of pages, ending at a checkpoint position) held in
         `page_ids` (a sequence's block table, at least len(token_ids)/page_size pages), with
         `checkpoint` (a device checkpoint id of the state at len(token_ids)) at its end.
@@ -274,7 +291,7 @@ class RadixCache:
             raise ValueError(f"insert of {len(token_ids)} tokens with {len(page_ids)} pages (page size {ps})")
         now = self.clock()
         keys = self._page_keys(token_ids)
-        node, i = self.root, 0
+        node, i = self._root(namespace, create=True), 0
         while i < n_pages:
             child = node.children.get(keys[i])
             if child is None:
@@ -347,7 +364,7 @@ class RadixCache:
     # -- eviction --------------------------------------------------------------------------------
 
     def _nodes(self) -> Iterable[TreeNode]:
-        stack = list(self.root.children.values())
+        stack = [c for r in self._roots.values() for c in r.children.values()]
         while stack:
             n = stack.pop()
             yield n
@@ -416,6 +433,10 @@ class RadixCache:
         if parent is not None:
             parent.children.pop(node.key[:self.page_size], None)
             node.parent = None
+            if parent.is_root and not parent.children:  # an emptied namespace goes
+                for ns, r in list(self._roots.items()):
+                    if r is parent and ns is not None:
+                        del self._roots[ns]
 
     def _evict_host(self, num_pages: int, *, protect: TreeNode | None = None, checkpoints: int = 0) -> None:
         """Drop host-only leaves (strategy order) until `num_pages` host pages and `checkpoints`
@@ -442,8 +463,10 @@ class RadixCache:
 
     def reset(self) -> None:
         """Drop everything (an idle flush): every reference and id goes back."""
-        for c in list(self.root.children.values()):
-            self._delete_subtree(c)
+        for r in list(self._roots.values()):
+            for c in list(r.children.values()):
+                self._delete_subtree(c)
+        self._roots = {None: self.root}
         self._ops.clear()
         assert self._evictable == 0, self._evictable
 

@@ -155,6 +155,9 @@ class GenerateRequest:
     # The engine computes the shared prompt once and forks the others from it (their own sampling,
     # seeds and stops). None: an ordinary request.
     prefix_group: str | None = None
+    # Prefix-cache namespace (SGLang's extra_key / cache_salt, vLLM's cache_salt): requests with
+    # different values never share cached state. None: the default namespace.
+    cache_salt: str | None = None
 
 
 def check_context_length(

@@ -243,6 +243,7 @@ class Scheduler:
             arrival_time_s=request.arrival_time_s if request.arrival_time_s is not None else now,
         )
         seq.priority = request.priority
+        seq.cache_namespace = request.cache_salt
         refusal = policy.priority_refusal(request.priority, self.config)
         if refusal is None and request.sampling_params.max_new_tokens != 0:
             ok, displaced = policy.queue_admission(self.waiting, seq, self.config)
@@ -269,7 +270,8 @@ class Scheduler:
             if g is None:
                 self._groups[group] = _ForkGroup(name=group, leader=seq, fork_pos=seq.num_prompt_tokens - 1)
                 seq.fork_group = group
-            elif g.leader.prompt_token_ids == seq.prompt_token_ids and not g.ready:
+            elif (g.leader.prompt_token_ids == seq.prompt_token_ids and g.leader.cache_namespace == seq.cache_namespace
+                  and not g.ready):
                 seq.fork_group = group
                 g.held.append(seq)  # waits for the leader's prompt
                 return seq
@@ -557,7 +559,8 @@ class Scheduler:
         """(matched tokens, node) for the cache-aware policies; touches nothing, locks nothing."""
         if seq.num_tokens < 2:
             return 0, None
-        m = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1), touch=False)
+        m = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1), touch=False,
+                                    namespace=seq.cache_namespace)
         return m.num_tokens, m.node
 
     def _preempt_for(self, incoming: Sequence, tokens_needed: int, entries: dict, preempted: list) -> bool:
@@ -625,7 +628,7 @@ class Scheduler:
         that the chunk size is computed from there; `_unmatch` undoes both."""
         if self.prefix_cache is None or seq.num_computed_tokens or seq.num_tokens < 2:
             return None
-        m = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1))
+        m = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1), namespace=seq.cache_namespace)
         if m.num_tokens == 0:
             return None
         self.prefix_cache.lock(m.node)
@@ -660,7 +663,7 @@ class Scheduler:
         pc = self.prefix_cache
         if pc is None or end % self.checkpoint_interval or end == 0:
             return
-        if pc.has_checkpoint_at(seq.token_slice(0, end)):
+        if pc.has_checkpoint_at(seq.token_slice(0, end), seq.cache_namespace):
             return
         ids = pc.checkpoints.allocate(1)
         if ids is None:
@@ -680,7 +683,8 @@ class Scheduler:
         """The step that snapshotted `seq` succeeded: insert its prefix with the checkpoint."""
         end, ckpt = self._pending_snapshots.pop(seq.request_id)
         pc = self.prefix_cache
-        node, adopted = pc.insert(seq.token_slice(0, end), seq.block_ids, ckpt, priority=seq.priority or 0)
+        node, adopted = pc.insert(seq.token_slice(0, end), seq.block_ids, ckpt, priority=seq.priority or 0,
+                                  namespace=seq.cache_namespace)
         if not adopted:
             pc.checkpoints.free([ckpt])
         pc.lock(node)

@@ -66,6 +66,7 @@ class Sequence:
     cache_node: object | None = None
     # n > 1: the prefix_group this sequence forks with (None once forked or released), and the
     # checkpoint id its slot is restored from when it is admitted as a fork
+    cache_namespace: str | None = None  # GenerateRequest.cache_salt: the prefix cache's namespace
     fork_group: str | None = None
     fork_source: int | None = None
 

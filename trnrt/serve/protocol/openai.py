@@ -36,7 +36,7 @@ _COMMON_FIELDS = {
 }
 CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-    "chat_template_kwargs", "reasoning_effort", "separate_reasoning", "stream_reasoning",
+    "chat_template_kwargs", "reasoning_effort", "separate_reasoning", "stream_reasoning", "cache_salt",
     "n", "response_format", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
     "min_tokens", "no_stop_trim", "include_stop_str_in_output", "stop_regex", "regex", "ebnf",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -44,14 +44,15 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "custom_logit_processor", "custom_params", "thinking_token_budget", "continue_final_message",
     "spaces_between_special_tokens", "modalities", "audio", "functions", "function_call", "prediction",
     "web_search_options", "verbosity", "chat_template",
+    "add_generation_prompt", "return_token_ids", "return_prompt_token_ids",
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | {
-    "prompt", "echo", "logprobs", "n", "best_of", "suffix", "frequency_penalty", "presence_penalty",
+    "prompt", "echo", "logprobs", "n", "best_of", "suffix", "frequency_penalty", "presence_penalty", "cache_salt",
     "repetition_penalty", "logit_bias", "min_tokens", "no_stop_trim", "include_stop_str_in_output",
     "stop_regex", "regex", "ebnf", "json_schema", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "response_format", "return_hidden_states", "priority",
     "prompt_logprobs", "logprob_start_len", "lora_path", "custom_logit_processor", "custom_params",
-    "thinking_token_budget", "spaces_between_special_tokens",
+    "thinking_token_budget", "spaces_between_special_tokens", "return_token_ids",
 }
 
 
@@ -61,7 +62,11 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
     unknown = [k for k in body if k not in allowed]
     if unknown:
         log.warning("ignoring unknown request fields: %s", ", ".join(safe(repr(k)) for k in unknown[:16]))
-    refuse_unserved(body, [k for k in NEUTRAL if k in allowed])
+    refuse_unserved(body, [k for k in NEUTRAL if k in allowed and k not in _SERVED_HERE])
+
+
+# In fields.NEUTRAL for other routes (/tokenize) but served on the OpenAI routes.
+_SERVED_HERE = {"continue_final_message"}
 
 
 # --- parsed requests ----------------------------------------------------------------------------
@@ -78,6 +83,10 @@ class CommonRequest:
     rid: str | None = None  # the engine request id the client chose (SGLang `rid`, vLLM `request_id`)
     priority: int | None = None  # SGLang's scheduling priority (None: the server's default)
     n: int = 1  # choices per prompt (each its own engine request; the prompt is computed once)
+    cache_salt: str | None = None  # vLLM's prefix-cache namespace
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    return_token_ids: bool = False  # vLLM's: token ids in the choices (and the prompt's)
+    return_prompt_token_ids: bool = False  # SGLang's (chat): the prompt's token ids
 
 
 @dataclass
@@ -94,6 +103,9 @@ class ChatRequest(CommonRequest):
     # The client's own template (None: the server's) and the field it came in, for errors.
     chat_template: str | None = None
     chat_template_param: str = "chat_template_kwargs"
+    # continue the last (assistant) message instead of starting a new one (vLLM, SGLang)
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
 
 
 @dataclass
@@ -107,7 +119,7 @@ def _common(body: dict, max_tokens: int | None) -> tuple[CommonRequest, dict]:
     model = _str(body, "model", None)
     stream = _bool(body, "stream", False)
     so = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if so is not None:
         if not isinstance(so, dict):
             raise bad_request("stream_options must be an object", "stream_options")
@@ -116,9 +128,8 @@ def _common(body: dict, max_tokens: int | None) -> tuple[CommonRequest, dict]:
         for k in so:
             if k not in ("include_usage", "continuous_usage_stats"):
                 raise bad_request(f"Unrecognized request argument supplied: stream_options.{k}", "stream_options")
-        include_usage = _bool(so, "include_usage", False)
-        if _bool(so, "continuous_usage_stats", False):
-            raise unsupported("stream_options.continuous_usage_stats")
+        include_usage = _bool(so, "include_usage", False, label="stream_options.include_usage")
+        continuous = _bool(so, "continuous_usage_stats", False, label="stream_options.continuous_usage_stats")
     _str(body, "user", None)  # metadata only; checked for type
     # max_new_tokens is set once the prompt length is known; the ranges are checked here (before
     # any tokenization) and again with the vocabulary once the request is built.
@@ -132,8 +143,19 @@ def _common(body: dict, max_tokens: int | None) -> tuple[CommonRequest, dict]:
     if best_of is not None and best_of != n:  # vLLM serves best_of only equal to n (no ranking)
         raise bad_request(f"best_of must equal n ({n}) on this server, got {best_of}", "best_of")
     common = CommonRequest(model=model, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
-                           params=params, rid=rid, priority=check_priority(body.get("priority"), lax=True), n=n)
+                           params=params, rid=rid, priority=check_priority(body.get("priority"), lax=True), n=n,
+                           continuous_usage=continuous, return_token_ids=_bool(body, "return_token_ids", False),
+                           return_prompt_token_ids=_bool(body, "return_prompt_token_ids", False),
+                           cache_salt=_cache_salt(body))
     return common, body
+
+
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's cache_salt (SGLang accepts it too): a non-empty string, the prefix cache's namespace."""
+    v = _str(body, "cache_salt", None)
+    if v is not None and not v:
+        raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+    return None if v is None else "\x00" + v  # same namespace as /generate's cache_salt alone
 
 
 MAX_N = 128  # choices per request (SGLang and vLLM leave it unbounded; every choice holds a slot)
@@ -152,7 +174,7 @@ def expand_choices(base: GenerateRequest, n: int, group: str) -> list[GenerateRe
             params.seed = (params.seed + i) & ((1 << 64) - 1)
         kw = {"request_id": f"{base.request_id}_{i}"} if base.request_id else {}
         out.append(GenerateRequest(base.prompt_token_ids, params, stream=base.stream, priority=base.priority,
-                                   prefix_group=group, **kw))
+                                   prefix_group=group, cache_salt=base.cache_salt, **kw))
     return out
 
 
@@ -199,7 +221,7 @@ def parse_chat(body: dict) -> ChatRequest:
         raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
     check_unicode_tree(kwargs, "chat_template_kwargs")
     kwargs = dict(kwargs)
-    for reserved in ("messages", "tools", "add_generation_prompt", "tokenize", "conversation"):
+    for reserved in ("messages", "tools", "add_generation_prompt", "tokenize", "conversation", "continue_final_message"):
         if reserved in kwargs:
             raise bad_request(f"chat_template_kwargs.{reserved} is set by the server", "chat_template_kwargs")
     # A client's own Jinja template (vLLM's top-level `chat_template`, or the kwarg) runs on the
@@ -227,6 +249,24 @@ def parse_chat(body: dict) -> ChatRequest:
     if not isinstance(thinking, bool):
         raise bad_request("chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs")
 
+    # Assistant prefill (vLLM's and SGLang's continue_final_message): the last message must be the
+    # assistant's; it is rendered open-ended (HF's continue_final_message) with no generation prompt.
+    cont = _bool(body, "continue_final_message", False)
+    add_gen = _bool(body, "add_generation_prompt", not cont)
+    if cont:
+        if add_gen:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                              "continue_final_message")
+        if norm[-1]["role"] != "assistant":
+            raise bad_request(f"continue_final_message needs the last message to be the assistant's, got "
+                              f"{norm[-1]['role']!r}", "continue_final_message")
+        if norm[-1].get("tool_calls"):
+            raise bad_request("continue_final_message cannot continue a message with tool_calls",
+                              "continue_final_message")
+        if client_template is not None:
+            raise bad_request("continue_final_message is served with the server's chat template only",
+                              "continue_final_message")
+        kwargs["continue_final_message"] = True  # HF apply_chat_template's own argument
     logprobs = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     if top is not None and top > 0 and not logprobs:
@@ -240,6 +280,7 @@ def parse_chat(body: dict) -> ChatRequest:
         want_logprobs=logprobs,
         user_skip_special_tokens=common.params.skip_special_tokens,
         chat_template=client_template, chat_template_param=template_param,
+        continue_final_message=cont, add_generation_prompt=add_gen,
     )
 
 
@@ -408,7 +449,8 @@ def chat_to_engine_request(creq: ChatRequest, prompt_ids: list[int], ctx: int, v
     creq.params.max_new_tokens = context_check(ctx, creq, len(prompt_ids), "messages")
     check_sampling(creq.params, vocab_size, OPENAI)
     kw = {"request_id": creq.rid} if creq.rid else {}
-    return GenerateRequest(prompt_ids, creq.params, stream=creq.stream, priority=creq.priority, **kw)
+    return GenerateRequest(prompt_ids, creq.params, stream=creq.stream, priority=creq.priority,
+                           cache_salt=creq.cache_salt, **kw)
 
 
 def chat_to_engine_requests(creq: ChatRequest, prompt_ids: list[int], ctx: int, vocab_size: int
@@ -445,7 +487,8 @@ def completion_to_engine_requests(creq: CompletionRequest, tokenizer, ctx: int, 
         kw = {}
         if creq.rid:  # several prompts: SGLang's batch rule, rid_i
             kw["request_id"] = creq.rid if len(creq.prompts) == 1 else f"{creq.rid}_{i}"
-        base = GenerateRequest(ids, params, stream=creq.stream, priority=creq.priority, **kw)
+        base = GenerateRequest(ids, params, stream=creq.stream, priority=creq.priority, cache_salt=creq.cache_salt,
+                               **kw)
         if creq.n > 1:
             if not creq.rid:
                 base.request_id = ""

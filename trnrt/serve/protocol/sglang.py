@@ -100,6 +100,7 @@ class GenerateItem:
     stream_interval: int | None = None  # None: the server's --stream-interval
     priority: int | None = None  # SGLang's scheduling priority (None: the server's default)
     prefix_group: str | None = None  # sampling_params.n > 1: the choices of one prompt share it
+    cache_salt: str | None = None  # extra_key + cache_salt: the prefix cache's namespace
 
 
 @dataclass
@@ -269,12 +270,20 @@ def parse_generate(body: dict) -> GenerateRequestIn:
     tid = body.get("token_ids_logprob")
     if tid not in (None, []) and not (isinstance(tid, list) and all(x in (None, []) for x in tid)):
         raise unsupported("token_ids_logprob", _WHY["token_ids_logprob"])
+    salts: list[list[str | None]] = []
     for key in ("extra_key", "cache_salt"):
-        # Prefix-cache namespaces: with no prefix cache yet every request is isolated already.
+        # Prefix-cache namespaces: requests with different values never share cached state.
         v = body.get(key)
         if v is not None and not (isinstance(v, str) and is_text(v)) and not (
                 is_batch and isinstance(v, list) and all(isinstance(x, str) and is_text(x) for x in v)):
             raise contract_error(f"invalid type for {key}: expected a string", key)
+        if isinstance(v, list):
+            if len(v) != n:
+                raise bad_request(f"{key} has {len(v)} entries but the batch has {n} prompts", key)
+            salts.append(list(v))
+        else:
+            salts.append([v] * n)
+    namespaces = [None if a is None and b is None else f"{a or ''}\x00{b or ''}" for a, b in zip(*salts)]
     read_bool(body, "log_metrics", True, err=contract_error)
     model = body.get("model")  # SGLang's /generate ignores it (one model per server)
     if model is not None and not (isinstance(model, str) and is_text(model)):
@@ -288,7 +297,7 @@ def parse_generate(body: dict) -> GenerateRequestIn:
                                   input_ids=id_lists[i] if id_lists is not None else None,
                                   params=params, max_new_tokens=max_new, max_new_tokens_given=given,
                                   rid=rids[i], return_logprob=return_lp[i], top_logprobs_num=top_n[i],
-                                  stream_interval=si, priority=priorities[i]))
+                                  stream_interval=si, priority=priorities[i], cache_salt=namespaces[i]))
     items, is_batch = _expand_n(items, sps, is_batch)
     return GenerateRequestIn(
         items=items, is_batch=is_batch, stream=stream,
@@ -363,7 +372,8 @@ def to_engine_requests(greq: GenerateRequestIn, tokenizer, ctx: int, vocab_size:
         check_sampling(params, vocab_size, SGLANG, renames={"logprobs": "top_logprobs_num"})
         kw = {"request_id": item.rid} if item.rid is not None else {}
         out.append(GenerateRequest(list(ids), params, stream=greq.stream, stream_interval=item.stream_interval,
-                                   priority=item.priority, prefix_group=item.prefix_group, **kw))
+                                   priority=item.priority, prefix_group=item.prefix_group,
+                                   cache_salt=item.cache_salt, **kw))
     return out
 
 
