@@ -35,6 +35,13 @@ class Model:
         resp.media = model_card(self.state)
 
 
+def _default_usage(st: ServeState, creq) -> None:
+    """--stream-response-default-include-usage (SGLang's flag): every streamed response ends with
+    the usage chunk, as if stream_options.include_usage were true."""
+    if creq.stream and getattr(st.settings, "stream_response_default_include_usage", False):
+        creq.include_usage = True
+
+
 class ChatCompletions:
     def __init__(self, state: ServeState):
         self.state = state
@@ -48,7 +55,9 @@ class ChatCompletions:
         creq, ti = begin(st, req, parse_chat)
         st.check_priority([creq.priority])
         apply_template_defaults(creq, st.settings.default_chat_template_kwargs)
+        _default_usage(st, creq)
         prompt = render_chat(ti.tokenizer, creq, max_tokens=st.context_len,
+                             add_generation_prompt=creq.add_generation_prompt,
                              trust_request_template=st.settings.trust_request_chat_template)
 
         use_tools = bool(creq.tools) and creq.tool_choice != "none" and st.settings.tool_call_parser is not None
@@ -70,7 +79,8 @@ class ChatCompletions:
 
         outs, counters = zip(*[choice() for _ in greqs])
         sub = submit(st, greqs, lambda f: engine_field_to_openai(f, "messages"), admission=adm, req=req)
-        respond(req, resp, sub, ChatRenderer(st.model_name, ti, creq, list(outs), list(counters)), creq.stream)
+        renderer = ChatRenderer(st.model_name, ti, creq, list(outs), list(counters), prompt_ids=prompt.ids)
+        respond(req, resp, sub, renderer, creq.stream)
 
 
 class Completions:
@@ -81,10 +91,11 @@ class Completions:
         st = self.state
         with Admission(st) as adm:
             creq, ti = begin(st, req, parse_completion)
+            _default_usage(st, creq)
             st.check_priority([creq.priority])
             reqs, echo_texts = completion_to_engine_requests(creq, ti.tokenizer, st.context_len,
                                                              st.engine.model_info.vocab_size)
             sub = submit(st, reqs, lambda f: engine_field_to_openai(f, "prompt"), admission=adm, req=req)
         renderer = CompletionRenderer(st.model_name, ti, creq, [len(r.prompt_token_ids) for r in reqs], echo_texts,
-                                      n=creq.n)
+                                      n=creq.n, prompt_ids=[r.prompt_token_ids for r in reqs])
         respond(req, resp, sub, renderer, creq.stream)

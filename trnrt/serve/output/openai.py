@@ -25,6 +25,16 @@ def openai_finish(f: Finish) -> tuple[str, object]:
     return "stop", f.matched
 
 
+def stop_reason(creq, finish, matched):
+    """vLLM's `stop_reason`: the stop string (or stop_regex pattern) or the request's own stop token
+    id that ended the choice; null for EOS, length, tool calls and unfinished choices."""
+    if finish != "stop" or matched is None:
+        return None
+    if isinstance(matched, str) or matched in creq.params.stop_token_ids:
+        return matched
+    return None
+
+
 def chat_logprobs(ti, lps: list[TokenLogprob], n_top: int) -> list[dict]:
     out = []
     for lp in lps:
@@ -66,6 +76,8 @@ class _Choice:
         self.content: list[str] = []
         self.lps: list[TokenLogprob] = []
         self.pending_lps: list[TokenLogprob] = []
+        self.ids: list[int] = []  # output token ids (return_token_ids)
+        self.pending_ids: list[int] = []  # ids not yet sent in a streamed chunk
         self.last: RequestOutput | None = None
 
 
@@ -73,10 +85,11 @@ class ChatRenderer:
     """One chat request's response: `n` choices (`outs` / `counters`: one per choice, in index
     order). The prompt counts once in usage, however many choices share it."""
 
-    def __init__(self, model: str, ti, creq, outs, counters):
+    def __init__(self, model: str, ti, creq, outs, counters, prompt_ids: list[int] | None = None):
         if isinstance(outs, ChatOutput):  # a single choice
             outs, counters = [outs], [counters]
         self.model, self.ti, self.creq = model, ti, creq
+        self.prompt_ids = list(prompt_ids or [])  # for return_token_ids / return_prompt_token_ids
         self.choices = [_Choice(o, c) for o, c in zip(outs, counters)]
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
@@ -128,6 +141,7 @@ class ChatRenderer:
             ch.content.append(d.get("content", ""))
             if o.new_logprobs:
                 ch.lps.extend(o.new_logprobs)
+            ch.ids.extend(o.new_token_ids)
             ch.last = o
         choices = []
         for i, ch in enumerate(self.choices):
@@ -139,15 +153,31 @@ class ChatRenderer:
             if self.creq.want_logprobs:
                 logprobs = {"content": chat_logprobs(self.ti, ch.lps, self.creq.params.logprobs or 0)}
             choices.append({"index": i, "message": self._message(ch), "logprobs": logprobs, "finish_reason": finish,
-                            "matched_stop": matched})
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                            "matched_stop": matched, "stop_reason": stop_reason(self.creq, finish, matched)})
+            if self.creq.return_token_ids:  # vLLM's token_ids, SGLang's response_token_ids
+                choices[-1]["token_ids"] = choices[-1]["response_token_ids"] = list(ch.ids)
+        body = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": self._usage(), "metadata": {"weight_version": "default"}}
+        if self.creq.return_token_ids or self.creq.return_prompt_token_ids:
+            body["prompt_token_ids"] = list(self.prompt_ids)
+        return body
 
-    def _chunk(self, delta: dict, logprobs=None, finish=None, matched=None, index: int = 0) -> bytes:
+    def _chunk(self, delta: dict, logprobs=None, finish=None, matched=None, index: int = 0,
+               token_ids: list[int] | None = None) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
-                  "matched_stop": matched}
-        return sse.event({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                          "model": self.model, "choices": [choice]})
+                  "matched_stop": matched, "stop_reason": stop_reason(self.creq, finish, matched)}
+        if self.creq.return_token_ids:  # the ids behind this chunk's delta
+            choice["token_ids"] = list(token_ids or [])
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [choice]}
+        if self.creq.continuous_usage:
+            body["usage"] = self._usage()
+        if not self._sent_prompt_ids and (self.creq.return_token_ids or self.creq.return_prompt_token_ids):
+            body["prompt_token_ids"] = list(self.prompt_ids)  # the first chunk only (vLLM)
+            self._sent_prompt_ids = True
+        return sse.event(body)
+
+    _sent_prompt_ids = False
 
     def sse(self, outputs: Iterator[tuple[int, RequestOutput]]) -> Iterator[bytes]:
         want_lp = self.creq.want_logprobs
@@ -163,10 +193,12 @@ class ChatRenderer:
             d = ch.out.feed(o.new_text)
             if want_lp and o.new_logprobs:
                 ch.pending_lps.extend(o.new_logprobs)
+            ch.pending_ids.extend(o.new_token_ids)
             if d:
                 lp = {"content": chat_logprobs(self.ti, ch.pending_lps, n_top)} if want_lp else None
                 ch.pending_lps = []
-                yield self._chunk(d, lp, index=i)
+                ids, ch.pending_ids = ch.pending_ids, []
+                yield self._chunk(d, lp, index=i, token_ids=ids)
             if o.finished:
                 yield from self._end_choice(i, ch, want_lp, n_top)
         for i, ch in enumerate(self.choices):
@@ -181,19 +213,22 @@ class ChatRenderer:
         d = ch.out.finish()
         lp = {"content": chat_logprobs(self.ti, ch.pending_lps, n_top)} if (want_lp and ch.pending_lps) else None
         ch.pending_lps = []
+        ids, ch.pending_ids = ch.pending_ids, []
         if d:
-            yield self._chunk(d, lp, index=i)
-            lp = None
+            yield self._chunk(d, lp, index=i, token_ids=ids)
+            lp, ids = None, []
         finish, matched = self._finish(ch.last, ch)
-        yield self._chunk({}, lp, finish, matched, index=i)
+        yield self._chunk({}, lp, finish, matched, index=i, token_ids=ids)
 
 
 class CompletionRenderer:
     """One /v1/completions response: a choice per prompt."""
 
-    def __init__(self, model: str, ti, creq, prompt_lens: list[int], echo_texts: list[str], n: int = 1):
+    def __init__(self, model: str, ti, creq, prompt_lens: list[int], echo_texts: list[str], n: int = 1,
+                 prompt_ids: list[list[int]] | None = None):
         # one entry per choice (prompt p's choice j is index p * n + j); usage counts each prompt once
         self.model, self.ti, self.creq, self.n = model, ti, creq, n
+        self.prompt_ids = prompt_ids or [[] for _ in prompt_lens]  # per choice (return_token_ids)
         self.echo_texts = echo_texts
         self.counters = [TokenCounter(k) for k in prompt_lens]
         self.id = "cmpl-" + uuid.uuid4().hex
@@ -211,11 +246,13 @@ class CompletionRenderer:
         texts = [self.echo_texts[i] if self.creq.echo else "" for i in range(n)]
         lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
         last: list[RequestOutput | None] = [None] * n
+        ids: list[list[int]] = [[] for _ in range(n)]
         for i, o in outputs:
             self.counters[i].add(o)
             texts[i] += o.new_text
             if o.new_logprobs:
                 lps[i].extend(o.new_logprobs)
+            ids[i].extend(o.new_token_ids)
             last[i] = o
         choices = []
         for i in range(n):
@@ -224,19 +261,33 @@ class CompletionRenderer:
             if self.creq.logprobs is not None:
                 logprobs, _ = completion_logprobs(self.ti, lps[i], 0)
             choices.append({"index": i, "text": texts[i], "logprobs": logprobs, "finish_reason": finish,
-                            "matched_stop": matched})
+                            "matched_stop": matched, "stop_reason": stop_reason(self.creq, finish, matched)})
+            if self.creq.return_token_ids:  # vLLM's (and SGLang's) token ids per choice
+                choices[-1]["prompt_token_ids"] = list(self.prompt_ids[i])
+                choices[-1]["token_ids"] = ids[i]
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": self._usage(), "metadata": {"weight_version": "default"}}
 
-    def _chunk(self, i: int, text: str, logprobs=None, finish=None, matched=None) -> bytes:
-        return sse.event({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                          "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish,
-                                       "matched_stop": matched}]})
+    def _chunk(self, i: int, text: str, logprobs=None, finish=None, matched=None,
+               token_ids: list[int] | None = None, first: bool = False) -> bytes:
+        choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish, "matched_stop": matched,
+                  "stop_reason": stop_reason(self.creq, finish, matched)}
+        if self.creq.return_token_ids:  # the prompt's ids on a choice's first chunk (vLLM), then deltas
+            if first:
+                choice["prompt_token_ids"] = list(self.prompt_ids[i])
+            choice["token_ids"] = list(token_ids or [])
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [choice]}
+        if self.creq.continuous_usage:
+            body["usage"] = self._usage()
+        return sse.event(body)
 
     def sse(self, outputs: Iterator[tuple[int, RequestOutput]]) -> Iterator[bytes]:
         n = len(self.counters)
         pending_echo = [self.echo_texts[i] if self.creq.echo else "" for i in range(n)]
         offsets = [0] * n
+        started = [False] * n
+        pending_ids: list[list[int]] = [[] for _ in range(n)]
         for i, o in outputs:
             self.counters[i].add(o)
             finish, matched = openai_finish(finish_of(o)) if o.finished else (None, None)
@@ -245,8 +296,10 @@ class CompletionRenderer:
                 lp, offsets[i] = completion_logprobs(self.ti, o.new_logprobs or [], offsets[i])
             text = pending_echo[i] + o.new_text
             pending_echo[i] = ""
+            pending_ids[i].extend(o.new_token_ids)
             if text or o.finished or (lp and lp["tokens"]):
-                yield self._chunk(i, text, lp, finish, matched)
+                yield self._chunk(i, text, lp, finish, matched, token_ids=pending_ids[i], first=not started[i])
+                started[i], pending_ids[i] = True, []
         if self.creq.include_usage:
             yield sse.event({"id": self.id, "object": "text_completion", "created": self.created,
                              "model": self.model, "choices": [], "usage": self._usage()})
