@@ -342,6 +342,9 @@ def serve(
     disable_priority_preemption: Annotated[bool, typer.Option("--disable-priority-preemption/", help="Priority scheduling orders the queue but never preempts a running request.")] = False,
     default_priority_value: Annotated[Optional[int], typer.Option("--default-priority-value", help="The priority of a request that sets none (default: the least preferred).")] = None,
     abort_on_priority_when_disabled: Annotated[bool, typer.Option("--abort-on-priority-when-disabled/", help="Without priority scheduling, refuse (503) a request that sets `priority` instead of ignoring the field.")] = False,
+    enable_response_store: Annotated[bool, typer.Option("--enable-response-store/", help="Keep /v1/responses answers for previous_response_id, GET /v1/responses/{id} and cancel (SGLang's flag), in a bounded in-memory store.")] = False,
+    response_store_size_mb: Annotated[float, typer.Option("--response-store-size-mb", help="Size bound of the response store in MB (least recently used responses are evicted).", min=0.001)] = 256.0,
+    response_store_ttl: Annotated[float, typer.Option("--response-store-ttl", help="Seconds a stored response is kept after its last write (0: until evicted for size).", min=0)] = 3600.0,
 ) -> None:
     """Serve the HTTP API; see docs/API.md for every route. The main families:
 
@@ -414,6 +417,8 @@ def serve(
         enable_priority_scheduling=args.enable_priority_scheduling,
         abort_on_priority_when_disabled=args.abort_on_priority_when_disabled,
         enable_hierarchical_cache=args.enable_hierarchical_cache and not args.disable_radix_cache,
+        enable_response_store=enable_response_store, response_store_size_mb=response_store_size_mb,
+        response_store_ttl_s=response_store_ttl,
         # reported by /server_info; keys never are
         server_args={k: v for k, v in vars(args).items() if "api_key" not in k},
     )

@@ -14,6 +14,7 @@ import falcon
 
 from trnrt.engine.client import EngineClient
 from trnrt.serve.handlers import admin, generate, info, openai, tokenize
+from trnrt.serve.handlers import responses as responses_api
 from trnrt.serve.http import errors
 from trnrt.serve.http.auth import AuthMiddleware, InFlightMiddleware
 from trnrt.serve.http.origin import OriginMiddleware
@@ -57,6 +58,7 @@ def create_app(engine_client: EngineClient, tokenizer_factory: Callable[[], obje
         "/v1/models/{model_id:path}": openai.Model(state),
         "/v1/completions": openai.Completions(state),
         "/v1/chat/completions": openai.ChatCompletions(state),
+        **responses_api.routes(state),  # /v1/responses (+ {id}, {id}/cancel with the response store)
         # Tokenizer routes (SGLang serves both spellings; vLLM the bare ones): request thread only
         "/tokenize": (tok := tokenize.Tokenize(state)),
         "/v1/tokenize": tok,

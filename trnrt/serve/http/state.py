@@ -54,6 +54,10 @@ class ServeSettings:
         request is refused with SGLang's 503 before it is tokenized.
     enable_hierarchical_cache: the engine keeps a host tier of its prefix cache (SGLang's
         --enable-hierarchical-cache); `/generate` then reports `meta_info.cached_tokens_details`.
+    enable_response_store / response_store_size_mb / response_store_ttl_s: SGLang's
+        --enable-response-store: /v1/responses keeps responses (for previous_response_id,
+        GET and cancel) in a bounded store of that many MB, each kept that many seconds after
+        its last write (0: no expiry).
     """
 
     served_model_name: str | None = None
@@ -78,6 +82,9 @@ class ServeSettings:
     enable_priority_scheduling: bool = False
     abort_on_priority_when_disabled: bool = False
     enable_hierarchical_cache: bool = False
+    enable_response_store: bool = False
+    response_store_size_mb: float = 256.0
+    response_store_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
@@ -88,6 +95,8 @@ class ServeSettings:
             raise ValueError("max_concurrent_requests must be >= 1")
         if not self.health_generate_timeout_s > 0:
             raise ValueError("health_generate_timeout_s must be > 0")
+        if not self.response_store_size_mb > 0 or self.response_store_ttl_s < 0:
+            raise ValueError("response_store_size_mb must be > 0 and response_store_ttl_s >= 0")
 
 
 class TokenizerInfo:
