@@ -141,6 +141,25 @@ def stop_ok(v) -> bool:
     return isinstance(v, list) and len(v) <= 32 and all(isinstance(s, str) and s for s in v)
 
 
+def stop_regex_ok(v) -> bool:
+    """SGLang's stop_regex: a pattern or up to 32, each one RE2 runs (the engine's own check)."""
+    from trnrt.engine.request import InvalidRequestError
+    from trnrt.engine.stop import compile_stop_regex
+
+    if v is None or v == "":
+        return True
+    pats = [v] if isinstance(v, str) else v
+    if not isinstance(pats, list) or len(pats) > 32 or not all(isinstance(p, str) for p in pats):
+        return False
+    try:
+        for p in pats:
+            p.encode("utf-8")
+            compile_stop_regex(p)
+    except (InvalidRequestError, UnicodeEncodeError):
+        return False
+    return True
+
+
 def ids_ok(v) -> bool:
     return v is None or (isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                                      and 0 <= t < 1000 for t in v))
@@ -191,7 +210,8 @@ SAMPLING_OPENAI = [
     fld("min_p", num_in(0, 1), numeric=True, extra=[("above-one", 1.5, "4xx")]),
     fld("n", int_in(1, 128), numeric=True, extra=[("two", 2, "2xx"), ("max", 128, "2xx"), ("over", 129, "4xx")]),
     fld("priority", int_in(-(2**63), 2**63 - 1), numeric=True),  # served (ignored without --enable-priority-scheduling)
-    fld("seed", int_in(), numeric=True, extra=[("int64-max", 2**63 - 1, "2xx"), ("below-int64", -(2**63) - 1, "2xx")]),
+    fld("seed", int_in(-(2**63), 2**63 - 1), numeric=True,
+        extra=[("int64-max", 2**63 - 1, "2xx"), ("below-int64", -(2**63) - 1, "4xx"), ("above-int64", 2**63, "4xx")]),
     fld("stop", stop_ok, text=True, extra=[("empty-string", "", "4xx"), ("empty-in-list", ["a", ""], "4xx"),
                                            ("32", ["s"] * 32, "2xx"), ("33", ["s"] * 33, "4xx"), ("empty-list", [], "2xx")]),
     fld("stop_token_ids", ids_ok, extra=[("negative", [-1], "4xx"), ("oov", [VOCAB_OOV], "4xx"),
@@ -206,8 +226,7 @@ SAMPLING_OPENAI = [
 ]
 NEUTRAL_COMMON = [
     ("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1), ("logit_bias", {}),
-    ("min_tokens", 0), ("no_stop_trim", False), ("include_stop_str_in_output", False), ("return_hidden_states", False),
-    ("thinking_token_budget", -1), ("spaces_between_special_tokens", True),
+    ("min_tokens", 0), ("return_hidden_states", False), ("thinking_token_budget", -1),
 ]
 NEVER_COMMON = ["regex", "ebnf", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                 "guided_grammar", "prompt_logprobs", "lora_path", "custom_logit_processor", "custom_params"]
@@ -216,8 +235,10 @@ NEVER_COMMON = ["regex", "ebnf", "structured_outputs", "guided_json", "guided_re
 def neutral_fields(pairs, never, extra_neutral=()) -> list[Field]:
     out = [fld(k, neutral(v), extra=[("neutral", v, "2xx")]) for k, v in list(pairs) + list(extra_neutral)]
     out += [fld(k, only_null) for k in never]
-    out.append(fld("stop_regex", lambda v: v is None or v in ("", []) and not isinstance(v, bool),
-                   extra=[("empty-list", [], "2xx"), ("empty-string", "", "2xx"), ("pattern", "a+", "4xx")]))
+    out.append(fld("stop_regex", stop_regex_ok,
+                   extra=[("empty-list", [], "2xx"), ("empty-string", "", "2xx"), ("pattern", "a+", "2xx"),
+                          ("backref", r"(a)\1", "4xx"), ("33", ["a"] * 33, "4xx")]))
+    out += [fld(k, is_bool) for k in ("no_stop_trim", "include_stop_str_in_output", "spaces_between_special_tokens")]
     out.append(fld("response_format", lambda v: v is None or v == {"type": "text"},
                    extra=[("text", {"type": "text"}, "2xx"), ("json", {"type": "json_object"}, "4xx"),
                           ("schema", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, "4xx")]))
@@ -378,7 +399,7 @@ GENERATE_SAMPLING = [
     fld("top_p", num_in(0, 1, lo_open=True), numeric=True),
     fld("top_k", int_in(-1), numeric=True),
     fld("min_p", num_in(0, 1), numeric=True),
-    fld("sampling_seed", int_in(), numeric=True),
+    fld("sampling_seed", int_in(-(2**63), 2**63 - 1), numeric=True),
     fld("n", int_in(1, 128), numeric=True, extra=[("two", 2, "2xx")]),
     fld("stop", stop_ok, text=True, extra=[("33", ["s"] * 33, "4xx")]),
     fld("stop_token_ids", ids_ok, extra=[("oov", [VOCAB_OOV], "4xx")]),
@@ -387,10 +408,11 @@ GENERATE_SAMPLING = [
     fld("stream_interval", int_in(1), numeric=True),
     *[fld(k, neutral(v), extra=[("neutral", v, "2xx")]) for k, v in [
         ("min_new_tokens", 0), ("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1),
-        ("spaces_between_special_tokens", True), ("no_stop_trim", False), ("logit_bias", {})]],
+        ("logit_bias", {})]],
+    *[fld(k, is_bool) for k in ("spaces_between_special_tokens", "no_stop_trim")],
     *[fld(k, only_null) for k in ("json_schema", "regex", "ebnf", "structural_tag", "custom_params", "beam_width",
                                   "watermark")],
-    fld("stop_regex", lambda v: v is None or v in ("", []) and not isinstance(v, bool)),
+    fld("stop_regex", stop_regex_ok, extra=[("pattern", "a+", "2xx"), ("lookahead", "a(?=b)", "4xx")]),
     fld("choice", lambda v: v is None or v == [], extra=[("empty", [], "2xx")]),
 ]
 
@@ -492,7 +514,7 @@ def build_corpus() -> list[Case]:
         Case("chat.stream-options-unknown", "POST", CHAT,
              dumps({**chat_base, "stream": True, "stream_options": {"x": 1}}), "4xx"),
         Case("chat.stream-options-continuous", "POST", CHAT,
-             dumps({**chat_base, "stream": True, "stream_options": {"continuous_usage_stats": True}}), "4xx"),
+             dumps({**chat_base, "stream": True, "stream_options": {"continuous_usage_stats": True}}), "2xx"),
         Case("chat.top-logprobs-with-logprobs-20", "POST", CHAT, dumps({**chat_base, "logprobs": True, "top_logprobs": 20}),
              "2xx"),
         Case("chat.top-logprobs-with-logprobs-21", "POST", CHAT, dumps({**chat_base, "logprobs": True, "top_logprobs": 21}),
