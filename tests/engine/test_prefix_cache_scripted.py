@@ -481,3 +481,17 @@ def test_n_leader_aborted_before_the_fork(tok, eos, engines):
     assert outs[1][0] == outs[3][0] and len(outs[1][0]) == 24
     assert not e.scheduler._groups
     assert_books(e)
+
+
+def test_n_when_the_prompt_is_already_cached(tok, eos, engines):
+    """The whole prompt but its last token is cached: no fork is needed, every choice resumes
+    from the cache."""
+    vocab = tok.get_vocab_size()
+    rng = random.Random(31)
+    prompt = [t for t in (rng.randrange(vocab) for _ in range(200)) if t != eos][:97]  # 96 = 3 x 32
+    on = engines(CACHE)
+    run(on, [prompt], rid="warm")
+    finals = [_final(s) for s in _group(on, prompt, 4, "c")]
+    assert [f[1].num_cached_tokens for f in finals] == [96] * 4
+    assert on.scheduler.num_forked == 0 and not on.scheduler._groups
+    assert_books(on)

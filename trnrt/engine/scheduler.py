@@ -307,9 +307,9 @@ class Scheduler:
         g = self._group_of(seq)
         if g is None or g.leader is not seq or g.ready or g.pending_snapshot is not None:
             return
-        if end - (1 if end > seq.num_computed_tokens else 0) >= g.fork_pos and end != g.fork_pos:
-            # the leader starts past the fork position (its prompt came from the cache): the
-            # others will find it there too
+        if end > g.fork_pos:
+            # chunks that start before fork_pos are cut there, so the leader started past it (its
+            # prompt came from the cache): the others will find it there too
             self._release_group(g.name, requeue=True)
             seq.fork_group = None
             return
