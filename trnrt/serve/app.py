@@ -13,7 +13,7 @@ from typing import Callable
 import falcon
 
 from trnrt.engine.client import EngineClient
-from trnrt.serve.handlers import admin, generate, info, openai, tokenize
+from trnrt.serve.handlers import admin, anthropic, generate, info, openai, tokenize
 from trnrt.serve.handlers import responses as responses_api
 from trnrt.serve.http import errors
 from trnrt.serve.http.auth import AuthMiddleware, InFlightMiddleware
@@ -45,7 +45,8 @@ def create_app(engine_client: EngineClient, tokenizer_factory: Callable[[], obje
     middleware = [InFlightMiddleware(state),
                   OriginMiddleware(tuple(settings.allowed_origins), settings.allowed_hosts, settings.bind_host)]
     if settings.api_key or settings.admin_api_key:
-        middleware.append(AuthMiddleware(settings.api_key, settings.admin_api_key, admin.ADMIN_PATHS))
+        middleware.append(AuthMiddleware(settings.api_key, settings.admin_api_key, admin.ADMIN_PATHS,
+                                         anthropic_paths=(anthropic.MESSAGES_PATH,)))
     app = ServeApp(middleware=middleware)
     app.serve_state = state
     errors.register(app)
@@ -58,6 +59,8 @@ def create_app(engine_client: EngineClient, tokenizer_factory: Callable[[], obje
         "/v1/models/{model_id:path}": openai.Model(state),
         "/v1/completions": openai.Completions(state),
         "/v1/chat/completions": openai.ChatCompletions(state),
+        # Anthropic Messages (/v1/messages, /v1/messages/count_tokens, 404 for the rest under it)
+        **anthropic.routes(state),
         **responses_api.routes(state),  # /v1/responses (+ {id}, {id}/cancel with the response store)
         # Tokenizer routes (SGLang serves both spellings; vLLM the bare ones): request thread only
         "/tokenize": (tok := tokenize.Tokenize(state)),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 
-from trnrt.serve.http.errors import OpenAIError
+from trnrt.serve.http.errors import AnthropicError, OpenAIError
 
 class AuthMiddleware:
     """`Authorization: Bearer <key>` on every route but /health (as SGLang exempts it).
@@ -16,10 +16,14 @@ class AuthMiddleware:
     (SGLang's rule, srt/utils/auth.py).
     """
 
-    def __init__(self, api_key: str | None, admin_api_key: str | None = None, admin_paths=()):
+    def __init__(self, api_key: str | None, admin_api_key: str | None = None, admin_paths=(), anthropic_paths=()):
         self._key = api_key.encode() if api_key else None
         self._admin_key = admin_api_key.encode() if admin_api_key else None
         self._admin_paths = frozenset(admin_paths)
+        # Anthropic's routes also take `x-api-key: <key>` (Claude Code, curl examples; the SDK
+        # sends the Bearer form) and answer 401 in Anthropic's envelope. Other routes: unchanged.
+        # `anthropic_paths`: those routes and every path under them.
+        self._anthropic_prefixes = tuple(anthropic_paths) + tuple(p.rstrip("/") + "/" for p in anthropic_paths)
 
     def process_request(self, req, resp) -> None:
         if req.path == "/health":
@@ -31,9 +35,17 @@ class AuthMiddleware:
             return
         header = req.get_header("Authorization") or ""
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key):
-            raise OpenAIError(401, "Invalid or missing API key (Authorization: Bearer <key>).",
-                              type_="authentication_error", code="invalid_api_key")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key):
+            return
+        if self._anthropic_prefixes and (req.path in self._anthropic_prefixes
+                                         or req.path.startswith(self._anthropic_prefixes)):
+            x_key = req.get_header("x-api-key")
+            if x_key is not None and hmac.compare_digest(x_key.strip().encode(), key):
+                return
+            raise AnthropicError(401, "Invalid or missing API key (x-api-key: <key> or Authorization: Bearer <key>).",
+                                 code="invalid_api_key")
+        raise OpenAIError(401, "Invalid or missing API key (Authorization: Bearer <key>).",
+                          type_="authentication_error", code="invalid_api_key")
 
 
 class InFlightMiddleware:

@@ -114,6 +114,42 @@ class SGLangObjectError(APIError):
                 "code": self.status}
 
 
+# Anthropic's error `type` per status (its documented table; any other 4xx is invalid_request_error).
+ANTHROPIC_TYPE_BY_STATUS = {
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+class AnthropicError(APIError):
+    """Anthropic's envelope, for the Messages routes: `{"type": "error", "error": {"type", "message"}}`
+    (the message names the field; `param` is kept for logs and tests, not sent)."""
+
+    @property
+    def anthropic_type(self) -> str:
+        if self.status in ANTHROPIC_TYPE_BY_STATUS:
+            return ANTHROPIC_TYPE_BY_STATUS[self.status]
+        return "invalid_request_error" if self.status < 500 else "api_error"
+
+    def to_dict(self) -> dict:
+        return {"type": "error", "error": {"type": self.anthropic_type, "message": safe(self.message)}}
+
+    @classmethod
+    def of(cls, err: APIError) -> "AnthropicError":
+        """Any APIError (shared readers, admission, system aborts) re-shaped for Anthropic's routes."""
+        if isinstance(err, cls):
+            return err
+        return cls(err.status, err.message, err.param, code=err.code, headers=err.headers)
+
+
 # SGLang 0.5.23's messages for a request the engine could not queue (503 system aborts).
 QUEUE_FULL_MESSAGE = "The request queue is full."
 DISPLACED_MESSAGE = "The request is aborted by a higher priority request."
