@@ -25,7 +25,7 @@ from trnrt.engine.request import GenerateRequest, SamplingParams
 N_NEW = 10
 
 
-def _engine(model_dir, cache, num_blocks=64, slots=5):
+def _engine(model_dir, cache, num_blocks=64, slots=5, **sched):
     from trnrt.config import EngineConfig
     from trnrt.engine.engine import Engine
     from trnrt.engine.scheduler import SchedulerConfig
@@ -33,7 +33,7 @@ def _engine(model_dir, cache, num_blocks=64, slots=5):
     ecfg = EngineConfig(max_model_len=512, block_size=16, num_blocks=num_blocks, num_slots=slots,
                         decode_batch_buckets=(1, 2, 4), prefill_token_buckets=(16, 64))
     scfg = SchedulerConfig(max_num_seqs=slots - 1, max_num_batched_tokens=64, max_model_len=512,
-                           max_prefill_chunk_tokens=64)
+                           max_prefill_chunk_tokens=64, **sched)
     return Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg, prefix_cache_config=cache)
 
 
@@ -48,8 +48,13 @@ def engines(model_dir):
                 "on": PrefixCacheConfig(checkpoint_interval=32, num_checkpoints=64),
                 # a pool too small for the conversations (evictions), a host tier 4x the device
                 "host": PrefixCacheConfig(checkpoint_interval=32, hierarchical=True, hicache_ratio=4.0),
+                "prio": None,
             }[name]
-            made[name] = _engine(model_dir, cache, num_blocks=34 if name == "host" else 64)
+            if name == "prio":  # one running request at a time, priority scheduling
+                made[name] = _engine(model_dir, PrefixCacheConfig(checkpoint_interval=32), slots=2,
+                                     enable_priority_scheduling=True)
+            else:
+                made[name] = _engine(model_dir, cache, num_blocks=34 if name == "host" else 64)
         return made[name]
 
     yield get
@@ -183,3 +188,25 @@ def test_eviction_host_tier_and_preemption(engines, special_ids):
     assert [x.token_ids for x in a] == [y.token_ids for y in b]
     assert host.scheduler.num_preemptions_total > before
     host.scheduler.check_integrity()
+
+
+def test_priority_preemption_keeps_the_output(engines, special_ids):
+    """One running request at a time: a request better by more than the threshold preempts the
+    running one, which resumes through the cache with exactly the tokens of an undisturbed run."""
+    import time
+
+    prio, off = engines("prio"), engines("off")
+    prompts, _ = _conversations(special_ids, 2, seed=12, first=50)
+    ref = _run(off, [prompts[0]], "ref-", max_new=60, logprobs=None)[0].token_ids
+    low = prio.submit(GenerateRequest(prompt_token_ids=prompts[0], request_id="low", stream=False, priority=0,
+                                      sampling_params=SamplingParams(max_new_tokens=60, ignore_eos=True, temperature=0.0)))
+    deadline = time.monotonic() + 60
+    while (s := prio.scheduler.get_sequence("low")) is None or s.num_output_tokens < 20:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    high = prio.submit(GenerateRequest(prompt_token_ids=prompts[1], request_id="high", stream=False, priority=50,
+                                       sampling_params=SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0.0)))
+    assert len(collect(high).token_ids) == 5
+    assert collect(low).token_ids == ref
+    assert prio.scheduler.num_priority_preemptions == 1
+    prio.scheduler.check_integrity()
