@@ -62,6 +62,10 @@ def create(srv, content: str, max_tokens: int = 64, **kw):
                                        messages=[{"role": "user", "content": content}], **kw)
 
 
+def create_messages(srv, messages, max_tokens: int = 64, **kw):
+    return client(srv).messages.create(model=MODEL, max_tokens=max_tokens, messages=messages, **kw)
+
+
 def post(srv, body, path: str = "/v1/messages", headers: dict | None = None):
     return srv.raw("POST", path, body, {**AUTH, **(headers or {})})
 
@@ -163,6 +167,17 @@ def test_tool_choice_none_leaves_tools_out(server, tokenizer):
     m = create(server, "SCRIPT:plain hi", tools=TOOLS, tool_choice={"type": "none"})
     prompt = tokenizer.decode(server.engine.submitted[-1].prompt_token_ids, skip_special_tokens=False)
     assert "get_weather" not in prompt and m.stop_reason == "end_turn"
+
+
+def test_prefill_is_continued(server, tokenizer):
+    """A final assistant message is a prefill: the prompt ends inside it, the answer continues it."""
+    messages = [{"role": "user", "content": "SCRIPT:plain hi"}, {"role": "assistant", "content": "Sure:"}]
+    m = create_messages(server, messages, thinking={"type": "disabled"})
+    prompt = tokenizer.decode(server.engine.submitted[-1].prompt_token_ids, skip_special_tokens=False)
+    assert prompt.endswith("<|assistant|><think></think>Sure:")
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text.startswith("Hello world")
+    n = client(server).messages.count_tokens(model=MODEL, messages=messages, thinking={"type": "disabled"})
+    assert n.input_tokens == len(server.engine.submitted[-1].prompt_token_ids)
 
 
 # --- streaming ----------------------------------------------------------------------------------
@@ -319,8 +334,11 @@ BAD = [  # (id, path, body, status, error type, a text the message must hold)
     ("tool-use-input-str", "/v1/messages", _with(messages=U + [{"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "get_weather", "input": "{}"}]}] + U), 400,
      "invalid_request_error", "input"),
-    ("prefill", "/v1/messages", _with(messages=U + [{"role": "assistant", "content": "The answer is"}]), 400,
-     "invalid_request_error", "prefill"),
+    ("prefill-trailing-space", "/v1/messages", _with(messages=U + [{"role": "assistant", "content": "It is "}]),
+     400, "invalid_request_error", "trailing whitespace"),
+    ("prefill-tool-use", "/v1/messages", _with(messages=U + [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "get_weather", "input": {}}]}]), 400, "invalid_request_error",
+     "prefill"),
     ("lone-surrogate", "/v1/messages",
      '{"model": "trnrt-tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
      "invalid_request_error", "Unicode"),

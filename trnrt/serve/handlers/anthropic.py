@@ -47,7 +47,7 @@ def _anthropic_errors(method):
 
 def _render(st: ServeState, ti, mreq):
     apply_template_defaults(mreq, st.settings.default_chat_template_kwargs)
-    return render_chat(ti.tokenizer, mreq, max_tokens=st.context_len,
+    return render_chat(ti.tokenizer, mreq, max_tokens=st.context_len, add_generation_prompt=mreq.add_generation_prompt,
                        trust_request_template=st.settings.trust_request_chat_template)
 
 

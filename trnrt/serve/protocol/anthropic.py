@@ -209,15 +209,19 @@ def _messages(v, system: str | None) -> list[dict]:
         else:
             out.append({"role": "assistant", "content": _text(content, f"{where}.content")}
                        if isinstance(content, str) else _assistant(content, where))
-            if i == len(v) - 1:
-                raise unsupported(f"{where}",
-                                  "is a final assistant message (a prefill to continue), which this server "
-                                  "does not serve yet: end with a user message")
     if not out:
         raise bad_request("messages: at least one user or assistant message is required", "messages")
     if systems:
         out.insert(0, {"role": "system", "content": "\n".join(systems)})
     return out
+
+
+def _prefill(m: dict, where: str) -> None:
+    """A final assistant message is continued (HF's continue_final_message, as the chat route's)."""
+    if m.get("tool_calls"):
+        raise bad_request(f"{where}: a final assistant message (a prefill) cannot end with tool_use", where)
+    if m["content"] != m["content"].rstrip():
+        raise bad_request(f"{where}: final assistant content cannot end with trailing whitespace", where)
 
 
 def _tools(v) -> list[dict] | None:
@@ -360,7 +364,12 @@ def _parse(body: dict, *, count: bool) -> MessagesRequest:
     kwargs: dict = {}
     display = _thinking(body.get("thinking"), kwargs, max_tokens)
     _output_config(body.get("output_config"), kwargs)
+    prefill = messages[-1]["role"] == "assistant"  # a prefill: the answer continues it
+    if prefill:
+        _prefill(messages[-1], f"messages[{len(body['messages']) - 1}]")
+        kwargs["continue_final_message"] = True  # HF apply_chat_template's own argument
     return MessagesRequest(model=model, stream=stream, include_usage=False, max_tokens=max_tokens, params=params,
+                           add_generation_prompt=not prefill,
                            messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=kwargs,
                            enable_thinking=kwargs.get("enable_thinking", True), thinking_display=display,
                            stop_sequences=list(params.stop), single_tool_call=single_call)
