@@ -65,7 +65,13 @@ def test_values_shown_and_rows_updated_in_place(make_snapshot):
             assert "glm-5.3-flash" in app.sub_title and "batch8" in app.sub_title
             assert "up 1h00m" in app.sub_title
             engines = app.query_one("#engines", DataTable)
-            assert engines.row_count == 2  # updated in place, never accumulated
+            assert engines.row_count == 3  # two engines + the total, updated in place, never accumulated
+            assert list(engines.rows)[-1].value == "total"
+            assert engines.get_cell("total", "queued") == "2" and engines.get_cell("total", "running") == "7"
+            done = [int(engines.get_cell(e, "finished")) for e in ("engine-0", "engine-1")]
+            assert engines.get_cell("total", "finished") == str(sum(done))
+            assert engines.get_cell("total", "gen_tps") == "240.0"
+            assert engines.get_cell("total", "state") == "2/2 ok"
             assert engines.get_cell("engine-1", "queued") == "2"
             assert engines.get_cell("engine-0", "ttft_p50") == "50ms"
             assert engines.get_cell("engine-0", "pages") == "48/64 75%"
@@ -121,7 +127,7 @@ def test_unreachable_banner_keeps_retrying_then_recovers(make_snapshot):
             await wait_for(pilot, lambda: app.last_error is None)
             await pilot.pause(0.05)
             assert not banner.display
-            assert app.query_one("#engines", DataTable).row_count == 2
+            assert app.query_one("#engines", DataTable).row_count == 3  # two engines + the total
 
     asyncio.run(run())
 

@@ -19,8 +19,10 @@ in flight (capped, oldest dropped, in case the engine ever forgets to report a f
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 from trnrt.stats.schema import (
@@ -35,15 +37,19 @@ from trnrt.stats.schema import (
 )
 from trnrt.stats.windows import BucketedCounter, LatencyWindow, summarize
 
+log = logging.getLogger("trnrt.stats")
+
 
 class _Req:
     """Per-request timestamps, kept only while the request is in flight."""
 
-    __slots__ = ("arrived", "scheduled", "last_token", "prompt_tokens", "generated")
+    __slots__ = ("arrived", "scheduled", "first_token", "first_n", "last_token", "prompt_tokens", "generated")
 
     def __init__(self, arrived: float, prompt_tokens: int) -> None:
         self.arrived = arrived
         self.scheduled: float | None = None
+        self.first_token: float | None = None
+        self.first_n = 0  # tokens in the first report
         self.last_token: float | None = None  # None until the first token: the TTFT/ITL switch
         self.prompt_tokens = prompt_tokens
         self.generated = 0
@@ -61,6 +67,8 @@ class StatsCollector:
             bounded; under heavy load it shortens the span).
         bucket_s: width of the rate buckets (1 s: a 1-minute rate is exact to within a bucket).
         max_tracked_requests: cap on in-flight bookkeeping; the oldest entry is dropped beyond it.
+        recent_requests: how many finished requests `recent_requests` keeps (numbers only: token
+            counts, times and the finish reason; never ids or text), newest last.
 
     Every producer method accepts `now` (seconds on `clock`), so the engine can stamp a whole step
     with one reading; it defaults to `clock()`.
@@ -76,6 +84,7 @@ class StatsCollector:
         latency_max_samples: int = 2048,
         bucket_s: float = 1.0,
         max_tracked_requests: int = 65536,
+        recent_requests: int = 20,
     ) -> None:
         self._clock = clock
         self._wall_clock = wall_clock
@@ -98,6 +107,9 @@ class StatsCollector:
         self._lat = {k: LatencyWindow(latency_window_s, latency_max_samples) for k in LATENCY_KEYS}
         self._reqs: dict[str, _Req] = {}
         self._live = {k: 0 for k in LIVE_KEYS}
+        self._recent: deque[dict] = deque(maxlen=recent_requests)
+        self._listeners: list[Callable[[dict], None]] = []
+        self._sections: dict[str, Callable[[], object]] = {}
         self._info: dict = {"model": "", "served_model_name": "", "preset": "", "backend": "",
                             "compiled": False, "version": _version()}
 
@@ -195,6 +207,7 @@ class StatsCollector:
                 if req is None:  # unknown (arrived before this collector, or dropped): count only
                     continue
                 if req.last_token is None:
+                    req.first_token, req.first_n = now, n
                     self._lat["ttft_ms"].add(now - req.arrived, now)
                 else:
                     self._lat["itl_ms"].add((now - req.last_token) / n, now)
@@ -222,11 +235,45 @@ class StatsCollector:
             self._finish_counts[finish_type] += 1
             self._cached_tokens += num_cached_tokens
             req = self._reqs.pop(rid, None)
-            if req is None:
-                return
-            self._finished_prompt_tokens += req.prompt_tokens
-            if finish_type in ("stop", "length"):
-                self._lat["e2e_ms"].add(now - req.arrived, now)
+            if req is not None:
+                self._finished_prompt_tokens += req.prompt_tokens
+                if finish_type in ("stop", "length"):
+                    self._lat["e2e_ms"].add(now - req.arrived, now)
+            record = _finish_record(req, finish_type, num_cached_tokens, now, self._wall_clock())
+            self._recent.append(record)
+            listeners = list(self._listeners)
+        if listeners:
+            full = {"request_id": rid, "engine": self.engine_id, **record}
+            for fn in listeners:
+                try:
+                    fn(dict(full))
+                except Exception:  # a listener must never break the engine thread
+                    log.exception("stats finish listener failed")
+
+    def add_finish_listener(self, fn: Callable[[dict], None]) -> None:
+        """Call `fn(record)` for every finished request, on the thread that reports the finish
+        (the engine thread: `fn` must be quick and must not block). The record is one
+        `recent_requests` entry plus `request_id` and `engine`; exceptions are logged, not raised.
+        """
+        with self._lock:
+            self._listeners.append(fn)
+
+    def remove_finish_listener(self, fn: Callable[[dict], None]) -> None:
+        with self._lock:
+            if fn in self._listeners:
+                self._listeners.remove(fn)
+
+    def set_section(self, name: str, provider: Callable[[], object] | None) -> None:
+        """An extra key of this engine's entry, `provider()` called at each snapshot (outside the
+        lock; JSON-able result). For state that lives next to the engine, e.g. the server's
+        prompt-token cache flag. None removes it. Core keys cannot be replaced."""
+        if name in _CORE_KEYS:
+            raise ValueError(f"{name!r} is a core key of the engine entry")
+        with self._lock:
+            if provider is None:
+                self._sections.pop(name, None)
+            else:
+                self._sections[name] = provider
 
     # ---- consumer API (any thread) ------------------------------------------------------------
 
@@ -266,6 +313,8 @@ class StatsCollector:
             window_s = self._lat["ttft_ms"].window_s
             live = dict(self._live)
             info = dict(self._info)
+            recent_requests = list(self._recent)
+            sections = dict(self._sections)
         latency: dict = {"window_s": window_s}
         for k in LATENCY_KEYS:
             # Stored in seconds, reported in milliseconds; cumulative sums stay in seconds for
@@ -274,7 +323,7 @@ class StatsCollector:
             latency[k]["total_count"], latency[k]["total_sum_s"] = totals[k]
         info["started_at_s"] = self._started_at_wall
         info["uptime_s"] = elapsed
-        return {
+        entry: dict = {
             "id": self.engine_id,
             "state": "ok",
             "info": info,
@@ -283,11 +332,48 @@ class StatsCollector:
             "rates": rates,
             "latency": latency,
             "prefix_hit_rate": hit_rate(counters),
+            "recent_requests": recent_requests,
         }
+        for name, provider in sections.items():
+            try:
+                entry[name] = provider()
+            except Exception as e:  # a broken provider must not break /v1/stats
+                entry[name] = {"error": f"{type(e).__name__}: {e}"}
+        return entry  # type: ignore[return-value]
 
     def snapshot(self, now: float | None = None) -> dict:
         """The full /v1/stats document for a server with this one engine (JSON-able)."""
         return merge_snapshots([self.engine_snapshot(now)], time_s=self._wall_clock())
+
+
+_CORE_KEYS = frozenset({"id", "state", "info", "live", "counters", "rates", "latency", "prefix_hit_rate",
+                        "recent_requests"})
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1000.0, 3)
+
+
+def _finish_record(req: _Req | None, finish_type: str, cached: int, now: float, wall: float) -> dict:
+    """One `recent_requests` entry: numbers only (no id, no text). Times in ms; None when unknown
+    (a request that never got a token has no TTFT; ITL needs two token reports)."""
+    rec: dict = {"finished_at_s": round(wall, 3), "finish_reason": finish_type, "prompt_tokens": 0,
+                 "output_tokens": 0, "cached_tokens": cached, "queue_ms": None, "ttft_ms": None,
+                 "itl_ms": None, "e2e_ms": None}
+    if req is None:
+        return rec
+    rec["prompt_tokens"] = req.prompt_tokens
+    rec["output_tokens"] = req.generated
+    if req.scheduled is not None:
+        rec["queue_ms"] = _ms(req.scheduled - req.arrived)
+    if req.first_token is not None:
+        rec["ttft_ms"] = _ms(req.first_token - req.arrived)
+        later = req.generated - req.first_n
+        if later > 0 and req.last_token is not None:
+            # mean inter-token latency: the time after the first token report over the tokens after it
+            rec["itl_ms"] = _ms((req.last_token - req.first_token) / later)
+    rec["e2e_ms"] = _ms(now - req.arrived)
+    return rec
 
 
 def _version() -> str:

@@ -79,6 +79,10 @@ class EngineStats(TypedDict):
     rates: dict  # RATE_WINDOWS key -> {RATE_KEYS -> float}
     latency: dict  # {"window_s": float, LATENCY_KEYS -> LatencySummary}
     prefix_hit_rate: float | None
+    # The last finished requests (StatsCollector(recent_requests=20)), oldest first: finished_at_s
+    # (unix), finish_reason, prompt/output/cached token counts and queue/TTFT/ITL/E2E in ms (None
+    # when unknown). Numbers only: never an id or any text.
+    recent_requests: list
 
 
 class SchemaError(ValueError):

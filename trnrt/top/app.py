@@ -27,6 +27,7 @@ from trnrt.stats.schema import LATENCY_KEYS
 from trnrt.top.format import (
     ENGINE_COLUMNS,
     LATENCY_LABELS,
+    TOTAL_ID,
     engine_cells,
     fmt_pct,
     fmt_rate,
@@ -34,6 +35,7 @@ from trnrt.top.format import (
     instant_rates,
     latency_rows,
     ratio,
+    total_entry,
     used_of,
 )
 from trnrt.top.source import SourceError, StatsSource
@@ -225,7 +227,10 @@ class TopApp(App):
         hit = snap.get("prefix_hit_rate")
         self.query_one("#g-hit", Gauge).set_value(hit, fmt_pct(hit))
 
-        self._show_engines(snap.get("engines") or [])
+        engines = list(snap.get("engines") or [])
+        if len(engines) > 1:  # several engines: a last row with the totals (one engine is its own total)
+            engines.append(total_entry(snap))
+        self._show_engines(engines)
 
     def _show_engines(self, engines: list[dict]) -> None:
         # Rows are keyed by engine id and updated in place, so the cursor stays put and the table
@@ -234,6 +239,8 @@ class TopApp(App):
         seen = set()
         for eng in engines:
             eid = str(eng.get("id", "?"))
+            if eid == TOTAL_ID and eng is not engines[-1]:
+                eid = f"{eid} (engine)"  # an engine that calls itself "total" keeps its own row
             seen.add(eid)
             cells = engine_cells(eng, instant_rates(self._prev_engines.get(eid), eng))
             self._prev_engines[eid] = eng

@@ -142,6 +142,8 @@ def engine_cells(eng: dict, rates: dict) -> dict[str, str]:
     def p(key: str, q: str) -> str:
         return fmt_ms((lat.get(key) or {}).get(q))
 
+    if eng.get("state") == "down":  # no figures: every cell but the id and state is "-"
+        return {key: "-" for key, _ in ENGINE_COLUMNS} | {"engine": str(eng.get("id", "?")), "state": "down"}
     return {
         "engine": str(eng.get("id", "?")),
         "state": str(eng.get("state", "?")),
@@ -162,6 +164,32 @@ def engine_cells(eng: dict, rates: dict) -> dict[str, str]:
         "aborts": str(cnt.get("aborts", 0)),
         "errors": str(cnt.get("errors", 0)),
     }
+
+
+TOTAL_ID = "total"
+
+
+def total_entry(snap: dict) -> dict:
+    """The top-level sums of `snap` shaped like an engine entry (the "total" row/column); its
+    state counts the engines that answered ("2/3 ok")."""
+    engines = snap.get("engines") or []
+    ok = sum(1 for e in engines if e.get("state") != "down")
+    return {"id": TOTAL_ID, "state": f"{ok}/{len(engines)} ok", "uptime_s": snap.get("uptime_s"),
+            **{k: snap.get(k) for k in ("live", "counters", "rates", "latency", "prefix_hit_rate")}}
+
+
+def down_engines(snap: dict) -> list[dict]:
+    return [e for e in snap.get("engines") or [] if e.get("state") == "down"]
+
+
+# Extra rows of `--once`'s engine table: the counters since start, so a total can be checked
+# against the traffic sent.
+COUNTER_ROWS: tuple[tuple[str, str], ...] = (
+    ("requests_arrived", "arrived"),
+    ("prompt_tokens", "prompt tokens"),
+    ("generation_tokens", "output tokens"),
+    ("cached_tokens", "cached tokens"),
+)
 
 
 def latency_rows(snap: dict) -> Iterable[tuple[str, str, str, str, str]]:
@@ -210,12 +238,24 @@ def once_renderable(snap: dict, source: str) -> Group:
 
     # Engines as columns, metrics as rows: fits a terminal (and a CI log) for a handful of engines,
     # where 18 columns side by side would not.
-    engines = snap.get("engines") or []
+    engines = list(snap.get("engines") or [])
+    if len(engines) > 1:
+        engines.append(total_entry(snap))
     cells = [engine_cells(e, instant_rates(None, e)) for e in engines]
     eng_table = Table(title="engines (rates over 1m)", title_justify="left")
     eng_table.add_column("engine", style="bold")
     for c in cells:
-        eng_table.add_column(c["engine"], justify="right")
+        eng_table.add_column(c["engine"], justify="right", style="bold" if c["engine"] == TOTAL_ID else None)
     for key, header in ENGINE_COLUMNS[1:]:
         eng_table.add_row(header, *(c[key] for c in cells))
-    return Group(summary, lat, eng_table)
+    for key, header in COUNTER_ROWS:
+        eng_table.add_row(header, *("-" if e.get("state") == "down" else str((e.get("counters") or {}).get(key, 0))
+                                    for e in engines))
+    parts = [summary, lat, eng_table]
+    router = snap.get("router")
+    if isinstance(router, dict):
+        parts.insert(1, f"router {router.get('url', '?')}: {router.get('workers', '?')} workers, "
+                        f"{router.get('healthy', '?')} healthy")
+    for e in down_engines(snap):
+        parts.append(f"[red]engine {e.get('id')} unreachable[/]: {e.get('error', '?')}")
+    return Group(*parts)
