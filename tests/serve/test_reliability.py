@@ -455,7 +455,38 @@ ABORT = [
 ]
 
 # route -> (base body, fields[, nested key])
+# Anthropic Messages and OpenAI Responses (their own suites hold the detailed cases; these keep
+# the corpus' guarantees — a class per field type, JSON errors, no 5xx — on the new routes too).
+MESSAGES_FIELDS = [
+    fld("model", lambda v: v == MODEL, required=True, text=True, extra=[("other", "gpt-9", "4xx")]),
+    fld("max_tokens", int_in(1, 500), numeric=True, required=True),
+    fld("messages", lambda v: v == MSGS, required=True),
+    fld("system", lambda v: v is None or (isinstance(v, str)), text=True),
+    fld("temperature", num_in(0, 1), numeric=True),
+    fld("top_p", num_in(0, 1, lo_open=True), numeric=True),
+    fld("top_k", int_in(0), numeric=True),
+    fld("stop_sequences", lambda v: v is None or v == [], extra=[("one", ["x"], "2xx")]),
+    fld("stream", is_bool),
+]
+COUNT_TOKENS_FIELDS = [
+    fld("model", lambda v: v == MODEL, required=True, text=True, extra=[("other", "gpt-9", "4xx")]),
+    fld("messages", lambda v: v == MSGS, required=True),
+]
+RESPONSES_FIELDS = [
+    fld("input", lambda v: isinstance(v, str) and bool(v), required=True, text=True,
+        extra=[("items", [{"role": "user", "content": "hi"}], "2xx")]),
+    fld("max_output_tokens", int_in(1, 500), numeric=True),
+    fld("temperature", num_in(0), numeric=True),
+    fld("top_p", num_in(0, 1, lo_open=True), numeric=True),
+    fld("instructions", lambda v: v is None or isinstance(v, str), text=True),
+    fld("stream", is_bool),
+]
+MESSAGES, RESPONSES = "/v1/messages", "/v1/responses"
+
 JSON_ROUTES = {
+    "messages": (MESSAGES, {"model": MODEL, "max_tokens": 2, "messages": MSGS}, MESSAGES_FIELDS, None),
+    "count-tokens": (MESSAGES + "/count_tokens", {"model": MODEL, "messages": MSGS}, COUNT_TOKENS_FIELDS, None),
+    "responses": (RESPONSES, {"model": MODEL, "input": "hi", "max_output_tokens": 2}, RESPONSES_FIELDS, None),
     "chat": (CHAT, {"model": MODEL, "messages": MSGS, "max_tokens": 2}, CHAT_FIELDS, None),
     "completion": (COMP, {"model": MODEL, "prompt": "hi", "max_tokens": 2}, COMPLETION_FIELDS, None),
     "generate": (GEN, {"text": "hi", SP: {"max_new_tokens": 2}}, GENERATE_TOP, None),
@@ -465,7 +496,8 @@ JSON_ROUTES = {
     "detokenize": ("/detokenize", {"tokens": [1, 2]}, DETOKENIZE, None),
     "abort": ("/abort_request", {"rid": "no-such-request"}, ABORT, None),
 }
-JSON_POST_PATHS = [CHAT, COMP, GEN, "/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize", "/abort_request"]
+JSON_POST_PATHS = [CHAT, COMP, GEN, "/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize", "/abort_request",
+                   MESSAGES, MESSAGES + "/count_tokens", RESPONSES]
 
 
 def _field_cases(key: str, path: str, base: dict, f: Field, nested: str | None) -> list[Case]:
@@ -540,6 +572,14 @@ def build_corpus() -> list[Case]:
              dumps({"text": ["a", "b"], SP: [{"max_new_tokens": 1}, {"max_new_tokens": 2}]}), "2xx"),
         Case("tokenize.messages-and-prompt", "POST", "/tokenize", dumps({"prompt": "a", "messages": MSGS}), "4xx"),
         Case("tokenize.neither", "POST", "/tokenize", dumps({}), "4xx"),
+        # without --enable-response-store the stored-response routes are SGLang's 400
+        Case("responses.get-without-store", "GET", RESPONSES + "/resp_abc", None, 400),
+        Case("responses.cancel-without-store", "POST", RESPONSES + "/resp_abc/cancel", b"{}", 400,
+             (("Content-Type", "application/json"),)),
+        Case("responses.previous-id-without-store", "POST", RESPONSES,
+             dumps({"model": MODEL, "input": "hi", "previous_response_id": "resp_abc"}), 400),
+        Case("messages.unknown-subpath", "POST", MESSAGES + "/batches", b"{}", 404,
+             (("Content-Type", "application/json"),)),
     ]
     # Bodies that are not a JSON object, on every JSON route.
     for path in JSON_POST_PATHS:
@@ -682,7 +722,13 @@ def test_corpus_is_generated_large_and_covers_every_route(scripted_server):
     hit = set()
     for c in CORPUS:
         path = c.path.split("?")[0]
-        hit.add("/v1/models/{model_id:path}" if path.startswith("/v1/models/") else path)
+        if path.startswith("/v1/models/"):
+            path = "/v1/models/{model_id:path}"
+        elif path.startswith(RESPONSES + "/"):
+            path = RESPONSES + ("/{response_id}/cancel" if path.endswith("/cancel") else "/{response_id}")
+        elif path.startswith(MESSAGES + "/") and path != MESSAGES + "/count_tokens":
+            path = MESSAGES + "/{rest:path}"
+        hit.add(path)
     assert routes <= hit, routes - hit
     # both classes are really exercised, with refusals the majority
     expects = collections.Counter("2xx" if c.expect == "2xx" else "4xx" for c in CORPUS)

@@ -354,6 +354,9 @@ def _parse(body: dict, *, count: bool) -> MessagesRequest:
     temperature = read_num(sampling, "temperature", 1.0)
     if not 0.0 <= temperature <= 1.0:
         raise bad_request(f"temperature must be in [0, 1], got {temperature!r}", "temperature")
+    if sampling.get("top_k") is not None and read_int(sampling, "top_k", None) < 0:
+        # Anthropic's top_k is >= 0 (0 is no limit here; the OpenAI-side -1 spelling is not theirs)
+        raise bad_request(f"top_k must be >= 0, got {sampling['top_k']!r}", "top_k")
     params = check_sampling(read_sampling(sampling, ANTHROPIC), None, ANTHROPIC)
     if len(params.stop) > MAX_STOP_STRINGS:
         raise bad_request(f"stop_sequences accepts at most {MAX_STOP_STRINGS} strings", "stop_sequences")
