@@ -21,7 +21,8 @@ class PrefixCacheConfig:
     checkpoint_interval: tokens between state checkpoints (a multiple of the block size; 0: the
         engine picks `max(block_size, 64)` rounded up to a block). A prefix can be resumed only at a
         checkpoint, so this is the granularity of reuse; prefill chunks are cut at these positions.
-    num_checkpoints: device checkpoint pool size (0: the engine picks 4 x its slots).
+    num_checkpoints: device checkpoint pool size (0: the engine picks 2 x its usable slots; a
+        checkpoint costs one slot's state, see the start-up log line) [--num-checkpoints].
     eviction_policy: lru | lfu | slru | priority | tlru [--radix-eviction-policy].
     eviction_policy_config: policy parameters [--radix-eviction-policy-config, a JSON object].
     hierarchical: keep pages and checkpoints evicted from the device in a host pool

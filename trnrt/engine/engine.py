@@ -271,7 +271,10 @@ class Engine:
         ecfg = self.engine_config
         interval = pcc.resolved_interval(ecfg.block_size) if pcc.checkpoint_interval else \
             _default_checkpoint_interval(ecfg)
-        n_ckpt = pcc.num_checkpoints or 4 * (ecfg.num_slots - 1)
+        # A checkpoint is one slot's state (for the real model, ~the KDA state of every linear layer:
+        # tens of MB), so the default pool is twice the slot pool: it keeps two resumable prefixes
+        # per running request's worth of memory. --num-checkpoints sets it.
+        n_ckpt = pcc.num_checkpoints or 2 * (ecfg.num_slots - 1)
         host_pages = host_ckpts = None
         if pcc.hierarchical:
             n_dev = ecfg.num_blocks - 1
@@ -289,9 +292,10 @@ class Engine:
         strategy = make_eviction_strategy(pcc.eviction_policy, pcc.eviction_policy_config)
         tree = RadixCache(self.cache, ckpts, host_pages=host_pages, host_checkpoints=host_ckpts,
                           strategy=strategy, write_policy=pcc.write_policy)
-        log.info("prefix cache: checkpoints every %d tokens, %d device checkpoints%s, eviction %s",
-                 interval, n_ckpt, f", host tier {host_pages.size} pages ({pcc.write_policy})" if host_pages else "",
-                 pcc.eviction_policy)
+        nbytes = getattr(self.runner, "checkpoint_nbytes", lambda: 0)()
+        log.info("prefix cache: checkpoints every %d tokens, %d device checkpoints (%.1f MiB)%s, eviction %s",
+                 interval, n_ckpt, n_ckpt * nbytes / (1 << 20),
+                 f", host tier {host_pages.size} pages ({pcc.write_policy})" if host_pages else "", pcc.eviction_policy)
         return tree, interval
 
     # -- construction --------------------------------------------------------------------------

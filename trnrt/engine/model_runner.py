@@ -171,6 +171,11 @@ class ModelRunner:
         self._host_ckpt = {k: like(getattr(st, k), num_host_checkpoints, host) for k in _SLOT_STATE}
         self._host_pages = {k: like(getattr(st, k), num_host_pages, host) for k in _PAGE_STATE}
 
+    def checkpoint_nbytes(self) -> int:
+        """Bytes of one state checkpoint (one slot of every per-sequence state tensor)."""
+        st = self.state
+        return sum(getattr(st, k)[:, :1].numel() * getattr(st, k).element_size() for k in _SLOT_STATE)
+
     def page_nbytes(self) -> int:
         """Bytes of one page across the paged state tensors (sizes the host tier in MiB)."""
         st = self.state
