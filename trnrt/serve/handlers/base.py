@@ -46,7 +46,10 @@ class Renderer(Protocol):
 def begin(st: ServeState, req, parse):
     """The common start of a POST: shutdown check, body parsing, model check, this thread's tokenizer."""
     st.check_accepting()
-    creq = parse(read_json(req, st.settings.max_request_bytes))
+    body = read_json(req, st.settings.max_request_bytes)
+    if body.get("no_logs") is True:  # SGLang's field: keep this request out of the production log
+        req.context.trnrt_no_logs = True
+    creq = parse(body)
     st.check_model(getattr(creq, "model", None))
     return creq, st.tokinfo()
 
@@ -88,9 +91,11 @@ class Submitted:
     """The engine requests of one HTTP request in flight: their streams, draining, and cleanup."""
 
     def __init__(self, st: ServeState, reqs: list[GenerateRequest], streams: list,
-                 admission: Admission | None = None):
+                 admission: Admission | None = None, req=None):
         self.st, self.reqs, self.streams = st, reqs, streams
         self.admission = admission
+        self.route = req.path if req is not None else None  # None: an internal probe, never logged
+        self.no_logs = bool(getattr(req.context, "trnrt_no_logs", False)) if req is not None else False
         self.done = [False] * len(reqs)
         self.closed = False
 
@@ -113,6 +118,9 @@ class Submitted:
             self.admission.release()
         else:
             self.st.release()
+        if self.st.prod_log is not None:  # the production log joins this with the engine's timings
+            self.st.prod_log.on_request_closed(self.route, [g.request_id for g in self.reqs],
+                                               no_logs=self.no_logs, stream=bool(self.reqs and self.reqs[0].stream))
 
 
 def submit(st: ServeState, reqs: list[GenerateRequest], field_name: Callable[[str | None], str | None],
@@ -140,7 +148,7 @@ def submit(st: ServeState, reqs: list[GenerateRequest], field_name: Callable[[st
             raise unavailable(f"The engine cannot accept requests: {e}")
         raise
     admission.transferred = True
-    return Submitted(st, reqs, list(streams), admission)
+    return Submitted(st, reqs, list(streams), admission, req=req)
 
 
 def sse_headers(resp) -> None:

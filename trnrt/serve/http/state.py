@@ -7,6 +7,7 @@ not be shared across threads) and the HTTP layer's admission counter.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -58,6 +59,12 @@ class ServeSettings:
         --enable-response-store: /v1/responses keeps responses (for previous_response_id,
         GET and cancel) in a bounded store of that many MB, each kept that many seconds after
         its last write (0: no expiry).
+    prod_dir / prod_max_mb / prod_backups / prod_gauges_s: the production log (trnrt.serve.prod_log;
+        env TRNRT_PROD_DIR, TRNRT_PROD_MAX_MB, TRNRT_PROD_BACKUPS, TRNRT_PROD_GAUGES_S): one JSON
+        line per finished request and gauges every prod_gauges_s, never request text; off when
+        prod_dir is None.
+    prompt_cache_mb: the prompt-token cache for chat turns (trnrt.serve.prompt_cache; env
+        TRNRT_PROMPT_CACHE_MB); 0 is off.
     """
 
     served_model_name: str | None = None
@@ -85,6 +92,11 @@ class ServeSettings:
     enable_response_store: bool = False
     response_store_size_mb: float = 256.0
     response_store_ttl_s: float = 3600.0
+    prod_dir: str | None = field(default_factory=lambda: os.environ.get("TRNRT_PROD_DIR") or None)
+    prod_max_mb: float = field(default_factory=lambda: _env_float("TRNRT_PROD_MAX_MB", 64.0))
+    prod_backups: int = field(default_factory=lambda: int(_env_float("TRNRT_PROD_BACKUPS", 4)))
+    prod_gauges_s: float = field(default_factory=lambda: _env_float("TRNRT_PROD_GAUGES_S", 10.0))
+    prompt_cache_mb: float = field(default_factory=lambda: _env_float("TRNRT_PROMPT_CACHE_MB", 0.0))
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
@@ -97,6 +109,21 @@ class ServeSettings:
             raise ValueError("health_generate_timeout_s must be > 0")
         if not self.response_store_size_mb > 0 or self.response_store_ttl_s < 0:
             raise ValueError("response_store_size_mb must be > 0 and response_store_ttl_s >= 0")
+        if not self.prod_max_mb > 0 or self.prod_backups < 0 or not self.prod_gauges_s > 0:
+            raise ValueError("prod_max_mb and prod_gauges_s must be > 0, prod_backups >= 0")
+        if self.prompt_cache_mb < 0:
+            raise ValueError("prompt_cache_mb must be >= 0")
+
+
+def _env_float(name: str, default: float) -> float:
+    """A number from the environment (unset or empty: `default`); anything else is a ValueError."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
 
 
 class TokenizerInfo:
@@ -154,6 +181,16 @@ class ServeState:
         self._active = 0
         self._http = 0  # requests inside a handler (http_enter / http_leave)
         self._idle = threading.Condition(self._lock)
+        # Opt-in observability next to the engine (never imported when off).
+        self.prod_log = None
+        if settings.prod_dir:
+            from trnrt.serve.prod_log import ProdLog
+
+            self.prod_log = ProdLog.for_server(engine, settings)
+        if settings.prompt_cache_mb > 0:
+            from trnrt.serve import prompt_cache
+
+            prompt_cache.configure(settings.prompt_cache_mb, collector=getattr(engine, "stats_collector", None))
 
     def tokinfo(self) -> TokenizerInfo:
         """This thread's tokenizer (HF fast tokenizers must not be shared across threads)."""

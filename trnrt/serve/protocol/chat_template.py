@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trnrt.serve import prompt_cache
 from trnrt.serve.http.errors import bad_request
 
 
@@ -69,7 +70,16 @@ def render_chat(tokenizer, creq, *, add_generation_prompt: bool = True, max_toke
             raise bad_request(f"messages could not be rendered by the chat template: {e}", "messages")
     if not isinstance(text, str):
         raise bad_request("the chat template did not render a string", "messages")
-    ids = encode_text(tokenizer, text, "messages", add_special_tokens=False, max_tokens=max_tokens)
+    def encode() -> list[int]:
+        return encode_text(tokenizer, text, "messages", add_special_tokens=False, max_tokens=max_tokens)
+
+    cache = prompt_cache.active() if client_template is None else None
+    if cache is not None and cache.enabled and _may_fit(tokenizer, text, max_tokens):
+        # the previous turn's ids + the tail, checked against this full render (trnrt.serve.prompt_cache)
+        ids = cache.encode(tokenizer, creq.messages, {"tools": tools, "kwargs": kwargs,
+                                                      "add_generation_prompt": add_generation_prompt}, text, encode)
+    else:
+        ids = encode()
     if not ids:
         raise bad_request("messages rendered to an empty prompt", "messages")
     return RenderedPrompt(text, ids, text.rstrip().endswith("<think>"))
@@ -135,6 +145,11 @@ def _byte_level_without_unk(tokenizer) -> bool:
     model = spec.get("model") or {}
     return (model.get("type") == "BPE" and not model.get("unk_token") and spec.get("normalizer") is None
             and '"ByteLevel"' in json.dumps(spec.get("pre_tokenizer")))
+
+
+def _may_fit(tokenizer, text: str, max_tokens: int | None) -> bool:
+    """False when encode_text's lower bound refuses `text` (the full path then raises its 400)."""
+    return max_tokens is None or -(-len(text) // max_token_chars(tokenizer)) < max_tokens
 
 
 def encode_text(tokenizer, text: str, param: str, *, add_special_tokens: bool = False,
