@@ -297,12 +297,35 @@ def _check_port_free(host: str, port: int) -> None:
         s.close()
 
 
+def _serve_dp(ctx, dp: int, router_policy: str, host: str, port: int, api_key, api_key_file, admin_api_key,
+              max_running_requests: int, drain_timeout: float, log_level: str) -> int:
+    """`--dp N`: the engines and sglang-router under trnrt.serve.dp's supervisor."""
+    from trnrt.serve import dp as dp_mod
+
+    if router_policy not in dp_mod.ROUTER_POLICIES:
+        raise typer.BadParameter(f"must be one of {', '.join(dp_mod.ROUTER_POLICIES)}", param_hint="--router-policy")
+    if not dp_mod.router_available():
+        typer.secho(f"error: {dp_mod.INSTALL_HINT}", err=True, fg="red")
+        raise typer.Exit(2)
+    _check_port_free(host, port)
+    port = port or dp_mod.free_port(host)
+    engine_args = dp_mod.engine_args_from_context(ctx, drop=(
+        "dp", "router_policy", "host", "port", "api_key", "api_key_file", "admin_api_key"))
+    return dp_mod.run(dp_mod.DPConfig(
+        dp=dp, engine_args=engine_args, host=host, port=port, router_policy=router_policy,
+        max_running_requests=max_running_requests, drain_timeout_s=drain_timeout, log_level=log_level,
+        api_key=_resolve_api_key(api_key, api_key_file), admin_api_key=admin_api_key or None))
+
+
 @app.command("serve")
 def serve(
+    ctx: typer.Context,
     model: Annotated[Optional[str], typer.Option("--model", "--model-path", help="Model directory (HF layout). Default: the embedded tiny checkpoint.")] = None,
     tokenizer_path: Annotated[Optional[str], typer.Option("--tokenizer-path", help="Tokenizer directory (default: the model's).")] = None,
     host: Annotated[str, typer.Option("--host", help="Interface to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port (0: any free port).", min=0, max=65535)] = 30000,
+    dp: Annotated[int, typer.Option("--dp", "--data-parallel-size", help="Run N engines (one model each, on 127.0.0.1) behind sglang-router on --host/--port (SGLang's flag; needs `pip install 'trnrt[router]'`). See docs/DEPLOY.md.", min=1)] = 1,
+    router_policy: Annotated[str, typer.Option("--router-policy", help="With --dp: the router's policy, cache_aware | round_robin | random | power_of_two | manual (manual: the X-SMG-Routing-Key header keeps a conversation on one engine).")] = "cache_aware",
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TRNRT_API_KEY", show_envvar=True, help="Require `Authorization: Bearer KEY` (all routes but /health). Prefer --api-key-file or TRNRT_API_KEY: a command-line key is visible to every local user in the process list.")] = None,
     api_key_file: Annotated[Optional[str], typer.Option("--api-key-file", help="Read the API key from this file (first line).", metavar="FILE")] = None,
     admin_api_key: Annotated[Optional[str], typer.Option("--admin-api-key", envvar="TRNRT_ADMIN_API_KEY", show_envvar=True, help="The key /flush_cache and /abort_request need instead of --api-key (SGLang's flag); other routes are unaffected.")] = None,
@@ -360,6 +383,9 @@ def serve(
     logging.basicConfig(level=getattr(logging, log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("trnrt.serve")
+    if dp > 1:
+        raise typer.Exit(_serve_dp(ctx, dp, router_policy, host, port, api_key, api_key_file, admin_api_key,
+                                   max_running_requests, drain_timeout, log_level))
     try:
         kwargs = json.loads(default_chat_template_kwargs) if default_chat_template_kwargs else {}
     except ValueError as e:
