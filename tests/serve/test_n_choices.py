@@ -164,3 +164,19 @@ def test_cache_salt_isolates_the_prefix_cache(scripted_server):
     assert z["meta_info"]["cached_tokens"] > 0
     status, bad = post(scripted_server, "/v1/completions", {**base, "cache_salt": ""})
     assert status == 400 and bad["error"]["param"] == "cache_salt"
+
+
+def test_routing_key_is_a_known_field(scripted_server, caplog):
+    """sglang-router forwards SGLang's routing_key: accepted without the unknown-field warning."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        s1, _ = post(scripted_server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                           "routing_key": "conv-1"})
+        s2, _ = post(scripted_server, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2},
+                                                    "routing_key": "conv-1"})
+        s3, _ = post(scripted_server, "/v1/chat/completions", {**chat(1), "routing_key": "conv-1"})
+    assert (s1, s2, s3) == (200, 200, 200)
+    assert not [r for r in caplog.records if "routing_key" in r.getMessage()]
+    assert post(scripted_server, "/v1/completions", {"model": MODEL, "prompt": "hi", "routing_key": 3})[0] == 400
+    assert post(scripted_server, "/generate", {"text": "hi", "routing_key": 3})[0] == 400

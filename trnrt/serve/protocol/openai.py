@@ -33,6 +33,7 @@ MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 _COMMON_FIELDS = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "user", "rid", "request_id",
+    "routing_key",  # SGLang's router session key: accepted, no effect on one engine
 }
 CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
@@ -131,6 +132,7 @@ def _common(body: dict, max_tokens: int | None) -> tuple[CommonRequest, dict]:
         include_usage = _bool(so, "include_usage", False, label="stream_options.include_usage")
         continuous = _bool(so, "continuous_usage_stats", False, label="stream_options.continuous_usage_stats")
     _str(body, "user", None)  # metadata only; checked for type
+    _str(body, "routing_key", None)  # the router's session-affinity key: checked for type
     # max_new_tokens is set once the prompt length is known; the ranges are checked here (before
     # any tokenization) and again with the vocabulary once the request is built.
     params = check_sampling(read_sampling(body, OPENAI), None, OPENAI)

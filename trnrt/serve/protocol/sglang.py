@@ -45,7 +45,9 @@ _UNSERVED_SAMPLING = [k for k in SAMPLING_KEYS if k not in SERVED_SAMPLING_KEYS]
 # (value -> neutral test). Anything else at the top level is ignored with a warning.
 _TOP_SERVED = {"text", "input_ids", "sampling_params", "rid", "stream", "return_logprob", "logprob_start_len",
                "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "return_prompt_token_ids",
-               "log_metrics", "extra_key", "cache_salt", "model", "priority"}
+               "log_metrics", "extra_key", "cache_salt", "model", "priority", "routing_key"}
+# routing_key (SGLang): the router's session-affinity key; one engine has nothing to route, so it
+# is accepted (type-checked) and has no effect here.
 
 
 def _none_or(*neutral):
@@ -284,6 +286,9 @@ def parse_generate(body: dict) -> GenerateRequestIn:
         else:
             salts.append([v] * n)
     namespaces = [None if a is None and b is None else f"{a or ''}\x00{b or ''}" for a, b in zip(*salts)]
+    rk = body.get("routing_key")
+    if rk is not None and not (isinstance(rk, str) and is_text(rk)):
+        raise contract_error("invalid type for routing_key: expected a string", "routing_key")
     read_bool(body, "log_metrics", True, err=contract_error)
     model = body.get("model")  # SGLang's /generate ignores it (one model per server)
     if model is not None and not (isinstance(model, str) and is_text(model)):
