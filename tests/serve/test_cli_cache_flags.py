@@ -71,7 +71,7 @@ def test_flags_reach_the_engine(captured):
     from trnrt.engine.cache_config import PrefixCacheConfig
     from trnrt.engine.scheduler import SchedulerConfig
 
-    r = invoke("--checkpoint-interval", "64", "--radix-eviction-policy", "slru",
+    r = invoke("--checkpoint-interval", "64", "--num-checkpoints", "12", "--radix-eviction-policy", "slru",
                "--radix-eviction-policy-config", '{"protected_threshold": 4}', "--enable-hicache",
                "--hicache-ratio", "3", "--hicache-size", "2", "--hicache-write-policy", "write_back",
                "--schedule-policy", "lof", "--enable-priority-scheduling", "--schedule-low-priority-values-first",
@@ -80,8 +80,8 @@ def test_flags_reach_the_engine(captured):
                "--max-running-requests", "4")
     assert r.exit_code == 2 and "stop here" in r.output, r.output
     assert captured["prefix_cache_config"] == PrefixCacheConfig(
-        enabled=True, checkpoint_interval=64, eviction_policy="slru", eviction_policy_config={"protected_threshold": 4},
-        hierarchical=True, hicache_ratio=3.0, hicache_size_mb=2048, write_policy="write_back")
+        enabled=True, checkpoint_interval=64, num_checkpoints=12, eviction_policy="slru",
+        eviction_policy_config={"protected_threshold": 4}, hierarchical=True, hicache_ratio=3.0, hicache_size_mb=2048, write_policy="write_back")
     scfg = captured["scheduler_config"]
     assert isinstance(scfg, SchedulerConfig)
     assert (scfg.schedule_policy, scfg.enable_priority_scheduling, scfg.schedule_low_priority_values_first,
@@ -120,3 +120,4 @@ def test_scripted_engine_gets_the_scheduling_flags(tok_dir):
         assert engine.server_info()["scheduler_config"]["max_queued_requests"] == 3
     finally:
         engine.shutdown(0.0)
+

@@ -43,6 +43,7 @@ class ServeArgs:
     # Prefix cache (SGLang's flag names; -> PrefixCacheConfig)
     disable_radix_cache: bool = False
     checkpoint_interval: int = 0
+    num_checkpoints: int = 0
     radix_eviction_policy: str = "lru"
     radix_eviction_policy_config: dict = field(default_factory=dict)
     enable_hierarchical_cache: bool = False
@@ -88,7 +89,7 @@ class ServeArgs:
 
         return PrefixCacheConfig(
             enabled=not self.disable_radix_cache, checkpoint_interval=self.checkpoint_interval,
-            eviction_policy=self.radix_eviction_policy, eviction_policy_config=dict(self.radix_eviction_policy_config),
+            num_checkpoints=self.num_checkpoints, eviction_policy=self.radix_eviction_policy, eviction_policy_config=dict(self.radix_eviction_policy_config),
             hierarchical=self.enable_hierarchical_cache, hicache_ratio=self.hicache_ratio,
             hicache_size_mb=self.hicache_size * 1024, write_policy=self.hicache_write_policy)
 
@@ -352,6 +353,7 @@ def serve(
     trust_request_chat_template: Annotated[bool, typer.Option("--trust-request-chat-template", help="Render a chat request's own chat_template (vLLM's flag), in a sandbox bounded in time and memory; without it such a request is a 400. For trusted clients only.")] = False,
     disable_radix_cache: Annotated[bool, typer.Option("--disable-radix-cache/", help="Turn the radix prefix cache off (SGLang's flag; on by default).")] = False,
     checkpoint_interval: Annotated[int, typer.Option("--checkpoint-interval", help="Tokens between the prefix cache's state checkpoints, the granularity of prefix reuse; a multiple of the preset's block size (0: the engine picks).", min=0)] = 0,
+    num_checkpoints: Annotated[int, typer.Option("--num-checkpoints", help="Device state checkpoints the prefix cache keeps (each one slot's KDA state, conv window and indexer tail; the start-up log says the memory). 0: 2 x --max-running-requests.", min=0)] = 0,
     radix_eviction_policy: Annotated[str, typer.Option("--radix-eviction-policy", help="Prefix-cache eviction: lru | lfu | slru | priority | tlru (SGLang's flag).")] = "lru",
     radix_eviction_policy_config: Annotated[Optional[str], typer.Option("--radix-eviction-policy-config", help="JSON object of eviction-policy parameters, e.g. '{\"protected_threshold\": 4}' for slru.", metavar="JSON")] = None,
     enable_hierarchical_cache: Annotated[bool, typer.Option("--enable-hierarchical-cache/", "--enable-hicache/", help="Keep prefix-cache pages evicted from the device in a host pool (SGLang's HiCache).")] = False,
@@ -409,7 +411,7 @@ def serve(
         scripted=scripted, scripted_step_delay_s=scripted_step_delay, compiled=compiled, backend=backend,
         stream_interval=stream_interval,
         disable_radix_cache=disable_radix_cache, checkpoint_interval=checkpoint_interval,
-        radix_eviction_policy=_choice(radix_eviction_policy, EVICTION_POLICIES, "--radix-eviction-policy"),
+        num_checkpoints=num_checkpoints, radix_eviction_policy=_choice(radix_eviction_policy, EVICTION_POLICIES, "--radix-eviction-policy"),
         radix_eviction_policy_config=policy_config, enable_hierarchical_cache=enable_hierarchical_cache,
         hicache_ratio=hicache_ratio, hicache_size=hicache_size,
         hicache_write_policy=_choice(hicache_write_policy, HICACHE_WRITE_POLICIES, "--hicache-write-policy"),
