@@ -36,25 +36,6 @@ LONG_TEXT = " ".join(f"word{i}" for i in range(300))
 # -- fixtures and helpers ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    """The tiny model's tokenizer as a bare `tokenizers.Tokenizer` (Rust; no transformers, no torch)."""
-    from tokenizers import Tokenizer
-
-    from trnrt.models.tiny.tokenizer import write_tokenizer_files
-
-    d = tmp_path_factory.mktemp("tok")
-    write_tokenizer_files(d)
-    return Tokenizer.from_file(str(d / "tokenizer.json"))
-
-
-@pytest.fixture(scope="module")
-def eos(tok) -> int:
-    from trnrt.models.tiny.tokenizer import EOS_TOKEN
-
-    return tok.token_to_id(EOS_TOKEN)
-
-
 def enc(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False).ids
 

@@ -23,24 +23,6 @@ from trnrt.engine.scheduler import SchedulerConfig
 TIMEOUT_S = 30.0
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from tokenizers import Tokenizer
-
-    from trnrt.models.tiny.tokenizer import write_tokenizer_files
-
-    d = tmp_path_factory.mktemp("tok")
-    write_tokenizer_files(d)
-    return Tokenizer.from_file(str(d / "tokenizer.json"))
-
-
-@pytest.fixture(scope="module")
-def eos(tok) -> int:
-    from trnrt.models.tiny.tokenizer import EOS_TOKEN
-
-    return tok.token_to_id(EOS_TOKEN)
-
-
 def hash_script(vocab: int, eos: int, n: int = 24):
     """Output = n tokens that depend on every prompt token (never EOS)."""
     def script(prompt: list[int]) -> list[int]:

@@ -30,24 +30,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence as Seq
 
 from trnrt.engine.cache_manager import CacheManager, IdPool
+from trnrt.engine.eviction_policy import LRUStrategy
 from trnrt.engine.outputs import CacheOp
 from trnrt.engine.radix_node import TreeNode
-
-
-class _LRU:
-    """Fallback strategy (SGLang's lru): oldest access first."""
-
-    def key(self, node: TreeNode):
-        return (node.last_access_time,)
-
-    def on_access(self, node: TreeNode, now: float) -> None:
-        pass
-
-    def on_insert(self, node: TreeNode) -> None:
-        pass
-
-    def on_evict(self, node: TreeNode) -> None:
-        pass
 
 
 @dataclass
@@ -103,7 +88,7 @@ class RadixCache:
         self.checkpoints = checkpoints
         self.host_pages = host_pages
         self.host_checkpoints = host_checkpoints
-        self.strategy = strategy if strategy is not None else _LRU()
+        self.strategy = strategy if strategy is not None else LRUStrategy()
         self.write_policy = write_policy
         self.clock = clock
         # one tree per namespace (SGLang's extra_key / cache_salt): requests of different namespaces
@@ -423,12 +408,7 @@ class RadixCache:
         if node.checkpoint is not None:
             self.checkpoints.free([node.checkpoint])
             node.checkpoint = None
-        if node.host_pages is not None:
-            self.host_pages.free(node.host_pages)
-            node.host_pages = None
-        if node.host_checkpoint is not None:
-            self.host_checkpoints.free([node.host_checkpoint])
-            node.host_checkpoint = None
+        self._drop_host_copy(node)
         parent = node.parent
         if parent is not None:
             parent.children.pop(node.key[:self.page_size], None)
@@ -479,13 +459,16 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._delete_subtree(node)
             else:
-                if node.host_pages is not None:
-                    self.host_pages.free(node.host_pages)
-                    node.host_pages = None
-                if node.host_checkpoint is not None:
-                    self.host_checkpoints.free([node.host_checkpoint])
-                    node.host_checkpoint = None
+                self._drop_host_copy(node)
         self._ops.clear()
+
+    def _drop_host_copy(self, node: TreeNode) -> None:
+        if node.host_pages is not None:
+            self.host_pages.free(node.host_pages)
+            node.host_pages = None
+        if node.host_checkpoint is not None:
+            self.host_checkpoints.free([node.host_checkpoint])
+            node.host_checkpoint = None
 
     def device_page_refs(self) -> list[int]:
         """Every device page reference the tree holds (for CacheManager.check_integrity)."""
