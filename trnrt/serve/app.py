@@ -13,6 +13,7 @@ from typing import Callable
 import falcon
 
 from trnrt.engine.client import EngineClient
+from trnrt.serve import dashboard
 from trnrt.serve.handlers import admin, anthropic, generate, info, openai, tokenize
 from trnrt.serve.handlers import responses as responses_api
 from trnrt.serve.http import errors
@@ -54,6 +55,7 @@ def create_app(engine_client: EngineClient, tokenizer_factory: Callable[[], obje
         "/health": info.Health(state),
         "/v1/stats": info.Stats(state),
         "/metrics": info.Metrics(state),
+        **dashboard.routes(),  # GET /dashboard: a self-contained page polling /v1/stats
         # OpenAI
         "/v1/models": openai.Models(state),
         "/v1/models/{model_id:path}": openai.Model(state),
