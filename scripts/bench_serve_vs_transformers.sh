@@ -57,27 +57,7 @@ fi
 
 CKPT=${1:-$("$TPY" -c 'from trnrt.models.tiny import default_model_dir; print(default_model_dir())')}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/trnrt-bench-vs-hf.XXXXXX")
-PIDS=()
-stop_children() {
-    local pid
-    for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-    for _ in $(seq 50); do
-        local alive=0
-        for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-        ((alive)) || break
-        sleep 0.2
-    done
-    for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
-    for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-}
-on_exit() {
-    local rc=$?
-    stop_children
-    if [[ $rc -eq 0 && ${KEEP_WORKDIR:-0} != 1 ]]; then rm -rf "$WORK"; else echo "logs: $WORK"; fi
-    exit "$rc"
-}
-trap on_exit EXIT
-trap 'exit 130' INT TERM
+. "$(dirname "${BASH_SOURCE[0]}")/children.sh"  # PIDS, stop_children, cleanup on exit
 
 free_port() { "$TPY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 wait_health() {  # wait_health NAME URL PID SECONDS LOG
