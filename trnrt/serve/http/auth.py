@@ -1,10 +1,16 @@
-"""`Authorization: Bearer <key>` on every route but /health (as SGLang exempts it)."""
+"""`Authorization: Bearer <key>` on every route but /health (as SGLang exempts it) and the
+/dashboard page (it holds no data: its polls of /v1/stats carry the key)."""
 
 from __future__ import annotations
 
 import hmac
 
 from trnrt.serve.http.errors import AnthropicError, OpenAIError
+
+# /health (SGLang exempts it) and the /dashboard page, static HTML with no data in it: a browser
+# cannot send a header to open it, and its polls of /v1/stats carry the key (/dashboard#key=KEY).
+_OPEN_PATHS = frozenset({"/health", "/dashboard"})
+
 
 class AuthMiddleware:
     """`Authorization: Bearer <key>` on every route but /health (as SGLang exempts it).
@@ -26,7 +32,7 @@ class AuthMiddleware:
         self._anthropic_prefixes = tuple(anthropic_paths) + tuple(p.rstrip("/") + "/" for p in anthropic_paths)
 
     def process_request(self, req, resp) -> None:
-        if req.path == "/health":
+        if req.path in _OPEN_PATHS:
             return
         key = self._key
         if self._admin_key is not None and req.path in self._admin_paths:

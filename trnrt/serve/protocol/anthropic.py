@@ -32,7 +32,7 @@ ANTHROPIC = Spelling({"max_new_tokens": "max_tokens", "stop": "stop_sequences"})
 
 # Accepted and not used: prompt caching hints, routing and account fields, beta config that does
 # not change what this server generates.
-_IGNORED = {"metadata", "service_tier", "cache_control", "container", "diagnostics", "inference_geo", "speed",
+_IGNORED = {"no_logs", "metadata", "service_tier", "cache_control", "container", "diagnostics", "inference_geo", "speed",
             "context_management", "user_profile_id", "workspace_id"}
 MESSAGES_FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p",
                    "top_k", "tools", "tool_choice", "thinking", "output_config"} | _IGNORED

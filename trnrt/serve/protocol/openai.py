@@ -34,6 +34,7 @@ _COMMON_FIELDS = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "user", "rid", "request_id",
     "routing_key",  # SGLang's router session key: accepted, no effect on one engine
+    "no_logs",  # SGLang's: keep this request out of the production log (TRNRT_PROD_DIR)
 }
 CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",

@@ -34,7 +34,7 @@ INCLUDE_VALUES = ("reasoning.encrypted_content", "message.output_text.logprobs",
                   "computer_call_output.output.image_url", "code_interpreter_call.outputs")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop")
 # Accepted and ignored (clients and agents send them; a 400 would break them).
-IGNORED_FIELDS = {"max_tool_calls", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
+IGNORED_FIELDS = {"no_logs", "max_tool_calls", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
                   "service_tier", "stream_options", "image", "moderation", "access_programs"}
 RESPONSES_FIELDS = {
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",

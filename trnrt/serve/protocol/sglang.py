@@ -45,7 +45,7 @@ _UNSERVED_SAMPLING = [k for k in SAMPLING_KEYS if k not in SERVED_SAMPLING_KEYS]
 # (value -> neutral test). Anything else at the top level is ignored with a warning.
 _TOP_SERVED = {"text", "input_ids", "sampling_params", "rid", "stream", "return_logprob", "logprob_start_len",
                "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "return_prompt_token_ids",
-               "log_metrics", "extra_key", "cache_salt", "model", "priority", "routing_key"}
+               "log_metrics", "extra_key", "cache_salt", "model", "priority", "routing_key", "no_logs"}
 # routing_key (SGLang): the router's session-affinity key; one engine has nothing to route, so it
 # is accepted (type-checked) and has no effect here.
 
