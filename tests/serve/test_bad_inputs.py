@@ -86,20 +86,20 @@ CASES = [
     ("tool-without-name", "POST", CHAT, chat(tools=[{"type": "function", "function": {}}]), 400, "tools"),
     ("tool-choice-bogus", "POST", CHAT, chat(tools=[TOOL], tool_choice="sometimes"), 400, "tool_choice"),
     # refused (not served yet): named, never ignored
-    ("n-2", "POST", CHAT, chat(n=2), 400, "n"),
+    ("n-129", "POST", CHAT, chat(n=129), 400, "n"),
     ("response-format-json", "POST", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
     ("frequency-penalty", "POST", CHAT, chat(frequency_penalty=0.5), 400, "frequency_penalty"),
     ("presence-penalty", "POST", CHAT, chat(presence_penalty=1.0), 400, "presence_penalty"),
     ("repetition-penalty", "POST", CHAT, chat(repetition_penalty=1.2), 400, "repetition_penalty"),
     ("logit-bias", "POST", CHAT, chat(logit_bias={"1": 5}), 400, "logit_bias"),
-    ("stop-regex", "POST", CHAT, chat(stop_regex="a+"), 400, "stop_regex"),
+    ("stop-regex-backreference", "POST", CHAT, chat(stop_regex=r"(a)\1"), 400, "stop_regex"),
     ("min-tokens", "POST", CHAT, chat(min_tokens=5), 400, "min_tokens"),
     ("tool-choice-required", "POST", CHAT, chat(tools=[TOOL], tool_choice="required"), 400, "tool_choice"),
     ("tool-choice-named", "POST", CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {
         "name": "f"}}), 400, "tool_choice"),
     ("parallel-tool-calls-false", "POST", CHAT, chat(tools=[TOOL], parallel_tool_calls=False), 400,
      "parallel_tool_calls"),
-    ("continuous-usage-stats", "POST", CHAT, chat(stream=True, stream_options={"continuous_usage_stats": True}),
+    ("continuous-usage-stats-not-bool", "POST", CHAT, chat(stream=True, stream_options={"continuous_usage_stats": 1}),
      400, "stream_options.continuous_usage_stats"),
     # completions
     ("prompt-missing", "POST", COMP, {"model": MODEL}, 400, "prompt"),
@@ -115,7 +115,7 @@ CASES = [
     ("suffix", "POST", COMP, comp(suffix="x"), 400, "suffix"),
     ("echo-with-logprobs", "POST", COMP, comp(echo=True, logprobs=1), 400, "logprobs"),
     ("logprobs-too-many", "POST", COMP, comp(logprobs=100), 400, "logprobs"),
-    ("completion-n-3", "POST", COMP, comp(n=3), 400, "n"),
+    ("completion-n-0", "POST", COMP, comp(n=0), 400, "n"),
 ]
 
 

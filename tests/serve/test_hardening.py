@@ -96,7 +96,7 @@ BAD = [
     ("generate-stop", GEN, '{"text": "a", "sampling_params": {"stop": "%s"}}' % SURROGATE, "stop"),
     ("generate-rid", GEN, '{"text": "a", "rid": "%s"}' % SURROGATE, "rid"),
     ("unknown-field-name", CHAT, '{"model": "%s", "messages": [{"role": "user", "content": "a"}], "%s": 1, '
-     '"n": 2}' % (MODEL, SURROGATE), "n"),
+     '"n": 129}' % (MODEL, SURROGATE), "n"),
 ]
 
 

@@ -624,7 +624,7 @@ def build_corpus() -> list[Case]:
         cases.append(Case(f"model.{label}", "GET", "/v1/models/" + mid, None, expect))
     # GET routes take no body and ignore unknown query parameters.
     gets = ["/health", "/v1/stats", "/metrics", "/v1/models", "/model_info", "/get_model_info", "/server_info",
-            "/get_server_info", "/v1/loads", "/get_load", "/health_generate"]
+            "/get_server_info", "/v1/loads", "/get_load", "/health_generate", "/dashboard"]
     for path in gets:
         p = path.strip("/").replace("/", "-")
         cases.append(Case(f"get.{p}", "GET", path, None, "2xx"))
