@@ -3,7 +3,7 @@
 One deployment, one test running the checks in order (starting two engines takes most of the
 time on a small box; pytest-xdist never splits one test). The last two checks kill and drain an
 engine; the others leave both up.
-The end-to-end tests need sglang-router (`pip install 'trnrt[router]'`, in the test extra); the
+The end-to-end tests need sglang-router (the `router` extra, also in the test extra); the
 CLI tests at the top do not.
 """
 
@@ -32,7 +32,7 @@ from trnrt.cli import app  # noqa: E402
 from trnrt.serve import dp  # noqa: E402
 
 HAVE_ROUTER = importlib.util.find_spec("sglang_router") is not None
-needs_router = pytest.mark.skipif(not HAVE_ROUTER, reason="sglang_router is not installed (pip install 'trnrt[router]')")
+needs_router = pytest.mark.skipif(not HAVE_ROUTER, reason="sglang_router is not installed (pip install -e '.[router]')")
 MODEL = "trnrt-tiny"
 
 
@@ -42,7 +42,7 @@ def test_dp_without_router_says_how_to_install_and_exits_2(monkeypatch, tok_dir)
     monkeypatch.setattr(dp, "router_available", lambda: False)
     r = CliRunner().invoke(app, ["serve", "--dp", "2", "--scripted", "--model", str(tok_dir), "--port", "0"])
     assert r.exit_code == 2, r.output
-    assert "pip install 'trnrt[router]'" in r.output
+    assert "pip install -e '.[router]'" in r.output and "sglang-router==0.3.2" in r.output
 
 
 def test_dp_passes_engine_options_and_keeps_keys_off_the_command_line(monkeypatch, tok_dir):

@@ -325,7 +325,7 @@ def serve(
     tokenizer_path: Annotated[Optional[str], typer.Option("--tokenizer-path", help="Tokenizer directory (default: the model's).")] = None,
     host: Annotated[str, typer.Option("--host", help="Interface to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port (0: any free port).", min=0, max=65535)] = 30000,
-    dp: Annotated[int, typer.Option("--dp", "--data-parallel-size", help="Run N engines (one model each, on 127.0.0.1) behind sglang-router on --host/--port (SGLang's flag; needs `pip install 'trnrt[router]'`). See docs/DEPLOY.md.", min=1)] = 1,
+    dp: Annotated[int, typer.Option("--dp", "--data-parallel-size", help="Run N engines (one model each, on 127.0.0.1) behind sglang-router on --host/--port (SGLang's flag; needs the router extra: `pip install -e '.[router]'` or `pip install sglang-router==0.3.2`). See docs/DEPLOY.md.", min=1)] = 1,
     router_policy: Annotated[str, typer.Option("--router-policy", help="With --dp: the router's policy, cache_aware | round_robin | random | power_of_two | manual (manual: the X-SMG-Routing-Key header keeps a conversation on one engine).")] = "cache_aware",
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TRNRT_API_KEY", show_envvar=True, help="Require `Authorization: Bearer KEY` (all routes but /health). Prefer --api-key-file or TRNRT_API_KEY: a command-line key is visible to every local user in the process list.")] = None,
     api_key_file: Annotated[Optional[str], typer.Option("--api-key-file", help="Read the API key from this file (first line).", metavar="FILE")] = None,

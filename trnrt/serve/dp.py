@@ -35,7 +35,7 @@ log = logging.getLogger("trnrt.serve.dp")
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manual")
 INSTALL_HINT = ("--dp > 1 runs sglang-router in front of the engines, and it is not installed; "
-                "install it with: pip install 'trnrt[router]'  (or: pip install sglang-router==0.3.2)")
+                "install it with: pip install -e '.[router]' in the trnrt checkout (or: pip install sglang-router==0.3.2)")
 # The header the router's manual policy reads (sgl-model-gateway policies/manual.rs).
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 DEFAULT_PROMETHEUS_PORT = 29000  # the router's own default
