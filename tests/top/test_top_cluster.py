@@ -159,12 +159,24 @@ def test_the_live_dashboard_lists_the_engines_and_a_total(cluster):
 
     from trnrt.top.app import TopApp
 
-    src = RouterStatsSource(cluster["router"], timeout_s=1)
+    # a generous per-engine timeout: on a loaded CI box a live engine's answer can take over a
+    # second, and a timed-out engine is (rightly) shown down; the dead one refuses at once
+    src = RouterStatsSource(cluster["router"], timeout_s=10)
+    want = str(sum(n for n, _, _ in cluster["sent"]))
 
     async def run():
+        import time
+
         top = TopApp(src, interval=0.2)
         async with top.run_test(size=(160, 36)) as pilot:
-            while top.last_snapshot is None:
+            deadline = time.monotonic() + 30
+            while True:
+                if top.last_snapshot is not None:
+                    table = top.query_one("#engines", DataTable)
+                    keys = [k.value for k in table.rows]
+                    if len(keys) == 4 and table.get_cell("total", "finished") == want:
+                        break
+                assert time.monotonic() < deadline, "the dashboard never showed the traffic"
                 await pilot.pause(0.05)
             table = top.query_one("#engines", DataTable)
             keys = [k.value for k in table.rows]
