@@ -99,6 +99,7 @@ class RadixCache:
         # device pages of unlocked nodes (what eviction can free), kept up to date on every change
         # so that the per-step load gauges need no walk of the tree
         self._evictable = 0
+        self._device_pages = 0  # device pages held by the tree (the load gauge reads it every step)
         # counters (cumulative)
         self.num_evicted_pages = 0
         self.num_host_loaded_pages = 0
@@ -212,8 +213,10 @@ class RadixCache:
 
     def _set_device_pages(self, node: TreeNode, pages: list[int] | None) -> None:
         """Every change of a node's device pages goes through here (the evictable count)."""
+        delta = len(pages or ()) - len(node.device_pages or ())
+        self._device_pages += delta
         if node.lock_ref == 0:
-            self._evictable += len(pages or ()) - len(node.device_pages or ())
+            self._evictable += delta
         node.device_pages = pages
 
     # -- host tier: loading back -----------------------------------------------------------------
@@ -475,7 +478,8 @@ class RadixCache:
         return [b for n in self._nodes() if n.device_pages for b in n.device_pages]
 
     def num_device_pages(self) -> int:
-        return sum(len(n.device_pages) for n in self._nodes() if n.device_pages)
+        """Device pages the tree holds. O(1)."""
+        return self._device_pages
 
     def checkpoint_ids(self) -> list[int]:
         return [n.checkpoint for n in self._nodes() if n.checkpoint is not None]
@@ -492,6 +496,8 @@ class RadixCache:
         ps = self.page_size
         walked = sum(len(n.device_pages) for n in self._nodes() if n.device_pages and n.lock_ref == 0)
         assert walked == self._evictable, f"evictable count {self._evictable} != {walked}"
+        held = sum(len(n.device_pages) for n in self._nodes() if n.device_pages)
+        assert held == self._device_pages, f"device page count {self._device_pages} != {held}"
         for n in self._nodes():
             p = n.parent
             assert p is not None and p.children.get(n.key[:ps]) is n, n

@@ -475,7 +475,6 @@ class Scheduler:
                 preempted.append(victim)
                 if victim.request_id in entries:  # already scheduled this step: take it back
                     budget += entries.pop(victim.request_id).num_new_tokens
-                    self._drop_snapshot(victim.request_id)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
@@ -581,8 +580,7 @@ class Scheduler:
         for v in victims:
             self._preempt(v)
             preempted.append(v)
-            entries.pop(v.request_id, None)
-            self._drop_snapshot(v.request_id) if self.prefix_cache is not None else None
+            entries.pop(v.request_id, None)  # (_preempt dropped its planned snapshot)
             self.num_priority_preemptions += 1
         self.waiting.appendleft(incoming)
         return True
