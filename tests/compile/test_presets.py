@@ -34,7 +34,7 @@ def test_shipped_presets_load():
     d = load_preset("default")
     assert isinstance(d, EngineConfig)
     assert d.preset == "default"
-    assert d.decode_batch_buckets == (1, 2, 4, 8)
+    assert d.decode_batch_buckets == (1, 8, 32)
     assert d.prefill_token_buckets == (16, 64)
     b = load_preset("batch8")
     assert b.decode_batch_buckets == (8,)

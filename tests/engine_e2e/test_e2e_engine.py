@@ -452,6 +452,34 @@ def test_decode_context_buckets_cut_the_block_table_and_keep_greedy_tokens(model
         engine.shutdown()
 
 
+def test_prefill_context_buckets_cut_the_block_table_and_keep_greedy_tokens(model_dir, small_engine, tokenizer):
+    """A prefill chunk whose sequence ends within a prefill context bucket runs the short-table
+    graph (also for a later chunk of the same prompt); a prompt past it runs the full table.
+    Tokens equal those of an engine without prefill context buckets."""
+    from trnrt.config import EngineConfig
+    from trnrt.engine.engine import Engine
+    from trnrt.engine.scheduler import SchedulerConfig
+
+    ecfg = EngineConfig(max_model_len=256, block_size=16, num_blocks=256 // 16 + 1 + 4, num_slots=5,
+                        decode_batch_buckets=(1, 2, 4), prefill_token_buckets=(16, 64), prefill_context_buckets=(32, 64))
+    scfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, max_prefill_chunk_tokens=16)
+    engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg)
+    try:
+        words = "the quick brown fox jumps over a lazy dog and runs far away " * 8
+        ids = tokenizer.encode(words, add_special_tokens=False)
+        for n_prompt, want in ((20, {"c32"}), (50, {"c32", "c64"}), (90, {"c32", "c64", "full"})):
+            before = dict(engine.runner.num_graph_calls)
+            got = greedy(engine, ids[:n_prompt], 3)
+            delta = {k for k, v in engine.runner.num_graph_calls.items()
+                     if k.startswith("prefill-") and v > before.get(k, 0)}
+            # 16-token chunks: the chunk ending at token t runs in the smallest context >= t
+            assert {k.split("-")[3] if "-c" in k else "full" for k in delta} == want, delta
+            assert got == greedy(small_engine, ids[:n_prompt], 3)
+        assert_clean(engine)
+    finally:
+        engine.shutdown()
+
+
 # -- delivery ----------------------------------------------------------------------------------
 
 

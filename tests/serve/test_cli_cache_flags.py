@@ -59,6 +59,11 @@ def test_help_lists_every_flag():
     (["--enable-hicache", "--disable-radix-cache"], "--enable-hierarchical-cache", "mutually exclusive"),
     (["--priority-scheduling-preemption-threshold", "x"], "--priority-scheduling-preemption-threshold", ""),
     (["--default-priority-value", "1.5"], "--default-priority-value", ""),
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size", "positive number of tokens or -1"),
+    (["--chunked-prefill-size", "65"], "--chunked-prefill-size", "exceeds the preset's largest prefill graph (64"),
+    (["--chunked-prefill-size", "-1", "--max-num-batched-tokens", "4096"], "--chunked-prefill-size",
+     "needs a preset whose largest prefill graph holds the context length"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens", ""),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_values_are_usage_errors(captured, args, flag, text):
     r = invoke(*args)
@@ -77,7 +82,7 @@ def test_flags_reach_the_engine(captured):
                "--schedule-policy", "lof", "--enable-priority-scheduling", "--schedule-low-priority-values-first",
                "--priority-scheduling-preemption-threshold", "5", "--disable-priority-preemption",
                "--default-priority-value", "-3", "--abort-on-priority-when-disabled", "--max-queued-requests", "7",
-               "--max-running-requests", "4")
+               "--max-running-requests", "4", "--max-num-batched-tokens", "100", "--chunked-prefill-size", "32")
     assert r.exit_code == 2 and "stop here" in r.output, r.output
     assert captured["prefix_cache_config"] == PrefixCacheConfig(
         enabled=True, checkpoint_interval=64, num_checkpoints=12, eviction_policy="slru",
@@ -88,6 +93,7 @@ def test_flags_reach_the_engine(captured):
             scfg.priority_preemption_threshold, scfg.disable_priority_preemption, scfg.default_priority_value,
             scfg.abort_on_priority_when_disabled, scfg.max_queued_requests) == ("lof", True, True, 5, True, -3, True, 7)
     assert scfg.max_num_seqs == 4 == captured["max_running_requests"]  # the preset's resolution is kept
+    assert (scfg.max_num_batched_tokens, scfg.max_prefill_chunk_tokens, scfg.max_prefill_tokens) == (100, 32, 32)
 
 
 def test_defaults_are_sglangs(captured):
@@ -100,6 +106,8 @@ def test_defaults_are_sglangs(captured):
     scfg = captured["scheduler_config"]
     assert (scfg.schedule_policy, scfg.enable_priority_scheduling, scfg.priority_preemption_threshold,
             scfg.default_priority_value, scfg.max_queued_requests) == ("fcfs", False, 10, None, None)
+    # a full largest decode batch plus four largest prefill chunks (default: 32 + 4 x 64)
+    assert (scfg.max_num_batched_tokens, scfg.max_prefill_chunk_tokens, scfg.chunked_prefill) == (288, 64, True)
     invoke("--disable-radix-cache")
     assert captured["prefix_cache_config"].enabled is False
     # admission: 2 x running without a queue limit; with one, the engine answers past it

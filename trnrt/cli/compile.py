@@ -55,7 +55,7 @@ def compile_cmd(
     penalties: Annotated[bool, typer.Option("--penalties", help="Also compile the penalties variant graphs.")] = False,
     model: Annotated[Optional[str], typer.Option("--model", help="Checkpoint directory (default: the embedded tiny model).")] = None,
     backend: Annotated[str, typer.Option("--backend", help="cpu (AOTInductor), cuda (CUDA graphs), neuron, or eager.")] = "cpu",
-    out: Annotated[Path, typer.Option("--out", help="Artifact root; writes OUT/PRESET/BACKEND/manifest.json.")] = Path("artifacts"),
+    out: Annotated[Optional[Path], typer.Option("--out", help="Artifact root; writes OUT/PRESET/BACKEND/manifest.json. Default: the artifact cache, where `trnrt serve` finds the graphs of this model and preset by itself.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Export and hash only; compile nothing.")] = False,
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Go on after a graph fails (exit 1 at the end).")] = False,
     only: Annotated[Optional[list[str]], typer.Option("--only", help="Compile only this graph id (repeatable).")] = None,
@@ -109,6 +109,11 @@ def compile_cmd(
         err.print(f"[red]error:[/red] --model: {e}")
         raise typer.Exit(2)
 
+    if out is None:  # the artifact cache: `trnrt serve` (no --compiled) runs these graphs by itself
+        from trnrt.compile.artifact_cache import artifact_root
+        from trnrt.models.paths import resolve_model_dir
+
+        out = artifact_root(resolve_model_dir(model))
     n = len(only) if only else len(specs)
     console.print(f"compile [bold]{p.name}[/bold] ({p.path}) backend [bold]{backend}[/bold], {n} graph(s)"
                   f"{', flags ' + '+'.join(flags) if flags else ''}{' (dry run)' if dry_run else ''}")

@@ -58,6 +58,12 @@ class ServeArgs:
     disable_priority_preemption: bool = False
     default_priority_value: int | None = None
     abort_on_priority_when_disabled: bool = False
+    # Step budget (vLLM's --max-num-batched-tokens) and prefill chunk size (SGLang's
+    # --chunked-prefill-size; -1 turns chunking off); None: the preset's defaults (resolve_configs)
+    max_num_batched_tokens: int | None = None
+    chunked_prefill_size: int | None = None
+    # Without --compiled, run the artifact cache's graphs of this model and preset when valid
+    disable_compiled_cache: bool = False
 
     @property
     def max_concurrent_requests(self) -> int:
@@ -81,7 +87,19 @@ class ServeArgs:
             "default_priority_value": self.default_priority_value,
             "abort_on_priority_when_disabled": self.abort_on_priority_when_disabled,
             "max_queued_requests": self.max_queued_requests,
+            **self._budget_overrides(),
         }
+
+    def _budget_overrides(self) -> dict:
+        out = {}
+        if self.max_num_batched_tokens is not None:
+            out["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.chunked_prefill_size is not None:
+            if self.chunked_prefill_size == -1:
+                out["chunked_prefill"] = False
+            else:
+                out["max_prefill_chunk_tokens"] = self.chunked_prefill_size
+        return out
 
     def prefix_cache_config(self):
         """The PrefixCacheConfig these options give (the radix cache is on unless disabled, as in SGLang)."""
@@ -127,6 +145,7 @@ def check_cache_and_scheduling(args: ServeArgs) -> None:
         pcc = args.prefix_cache_config()
     except ValueError as e:  # PrefixCacheConfig's own checks (the flags' ranges are checked by click)
         raise typer.BadParameter(str(e), param_hint="--radix-eviction-policy-config")
+    _check_budget(args)
     if args.checkpoint_interval:
         block_size = _preset_block_size(args.preset)
         if block_size:
@@ -134,6 +153,38 @@ def check_cache_and_scheduling(args: ServeArgs) -> None:
                 pcc.resolved_interval(block_size)
             except ValueError as e:
                 raise typer.BadParameter(str(e), param_hint="--checkpoint-interval")
+
+
+def _check_budget(args: ServeArgs) -> None:
+    """--chunked-prefill-size within the preset's prefill buckets; no chunking only with a budget
+    that holds a whole prompt (SGLang refuses the same)."""
+    size = args.chunked_prefill_size
+    if size is None:
+        return
+    if size == 0:
+        raise typer.BadParameter("must be a positive number of tokens or -1 (no chunking)",
+                                 param_hint="--chunked-prefill-size")
+    try:
+        from trnrt.config.presets import load_preset
+
+        ecfg = load_preset(args.preset or "default")
+    except Exception:
+        return  # build_engine reports the preset
+    if size == -1:
+        need = min(args.context_length or ecfg.max_model_len, ecfg.max_model_len)
+        if ecfg.max_prefill_tokens < need:  # a whole prompt must fit one prefill graph call
+            raise typer.BadParameter(
+                f"-1 (no chunking) needs a preset whose largest prefill graph holds the context length ({need} "
+                f"tokens); preset {args.preset!r} stops at {ecfg.max_prefill_tokens}", param_hint="--chunked-prefill-size")
+        if (args.max_num_batched_tokens or 0) < need:
+            raise typer.BadParameter(
+                f"-1 (no chunking) needs --max-num-batched-tokens >= the context length ({need})",
+                param_hint="--chunked-prefill-size")
+        return
+    if size > ecfg.max_prefill_tokens:
+        raise typer.BadParameter(
+            f"{size} exceeds the preset's largest prefill graph ({ecfg.max_prefill_tokens} tokens; "
+            f"prefill_token_buckets of preset {args.preset!r})", param_hint="--chunked-prefill-size")
 
 
 def _preset_block_size(preset: str) -> int | None:
@@ -224,6 +275,8 @@ def build_engine(args: ServeArgs):
 
         def loader(model, state, engine_config):
             return load_compiled(args.compiled, model, state, engine_config, backend=args.backend)
+    elif not args.disable_compiled_cache:
+        loader = _cached_loader(model_dir, args)
 
     import dataclasses
 
@@ -242,6 +295,43 @@ def build_engine(args: ServeArgs):
                                    compiled_loader=loader, compiled_backend=args.backend or "cpu",
                                    stream_interval=args.stream_interval, **kw)
     return engine, tokenizer_factory
+
+
+def _cached_loader(model_dir: str, args: ServeArgs):
+    """A compiled-graph loader over the artifact cache (`trnrt compile` without --out writes
+    there), or None when the cache holds nothing for this model, preset and backend. Artifacts
+    the loader refuses (another model config, preset settings, torch or graph code) are logged and
+    the engine runs eagerly: a stale cache never stops a server."""
+    import logging
+
+    from trnrt.compile.artifact_cache import cached_artifacts
+    from trnrt.config.presets import PresetError, read_preset
+
+    log = logging.getLogger("trnrt.serve")
+    try:
+        preset = read_preset(args.preset or "default").name
+    except PresetError:
+        return None  # build_engine reports the preset
+    backend = args.backend or "cpu"
+    cached = cached_artifacts(model_dir, preset, backend)
+    if cached is None:
+        log.info("no compiled graphs of preset %s (%s) in the artifact cache: running eagerly "
+                 "(`trnrt compile --preset %s` builds them once)", preset, backend, preset)
+        return None
+
+    def loader(model, state, engine_config):
+        from trnrt.compile import load_compiled
+        from trnrt.compile.loader import CompiledArtifactError
+
+        try:
+            graphs = load_compiled(cached, model, state, engine_config, backend=backend)
+        except CompiledArtifactError as e:
+            log.warning("compiled graphs in the artifact cache not used, running eagerly: %s", e)
+            return {}
+        log.info("running the compiled graphs of preset %s from the artifact cache (%s)", preset, cached)
+        return graphs
+
+    return loader
 
 
 def _parser_choice(value: str | None, choices: tuple[str, ...], flag: str) -> str | None:
@@ -370,6 +460,9 @@ def serve(
     enable_response_store: Annotated[bool, typer.Option("--enable-response-store/", help="Keep /v1/responses answers for previous_response_id, GET /v1/responses/{id} and cancel (SGLang's flag), in a bounded in-memory store.")] = False,
     response_store_size_mb: Annotated[float, typer.Option("--response-store-size-mb", help="Size bound of the response store in MB (least recently used responses are evicted).", min=0.001)] = 256.0,
     response_store_ttl: Annotated[float, typer.Option("--response-store-ttl", help="Seconds a stored response is kept after its last write (0: until evicted for size).", min=0)] = 3600.0,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", "--max-prefill-tokens", help="Tokens one engine step may compute, decodes and prefill chunks together (vLLM's flag; SGLang's --max-prefill-tokens is accepted as the same budget). Default: the largest decode batch + 4 x the largest prefill chunk.", min=1)] = None,
+    disable_compiled_cache: Annotated[bool, typer.Option("--disable-compiled-cache/", help="Without --compiled: run eagerly even when `trnrt compile` left graphs of this model and preset in the artifact cache (default: use them when valid).")] = False,
+    chunked_prefill_size: Annotated[Optional[int], typer.Option("--chunked-prefill-size", help="Most tokens in one prefill chunk (SGLang's flag), at most the preset's largest prefill bucket (the default); -1: no chunking (needs --max-num-batched-tokens >= the context length).", min=-1)] = None,
 ) -> None:
     """Serve the HTTP API; see docs/API.md for every route. The main families:
 
@@ -421,6 +514,8 @@ def serve(
         priority_scheduling_preemption_threshold=priority_scheduling_preemption_threshold,
         disable_priority_preemption=disable_priority_preemption, default_priority_value=default_priority_value,
         abort_on_priority_when_disabled=abort_on_priority_when_disabled,
+        max_num_batched_tokens=max_num_batched_tokens, chunked_prefill_size=chunked_prefill_size,
+        disable_compiled_cache=disable_compiled_cache,
     )
     check_cache_and_scheduling(args)
     _check_port_free(host, port)  # before the model loads (seconds), not after

@@ -96,11 +96,15 @@ def no_variant_message(flags: Iterable[str]) -> str:
 def base_specs(config: EngineConfig) -> list:
     """decode: batch bucket x 1 token, once with the full sampler and once greedy-only (what an
     all-greedy batch runs: no vocabulary sort); prefill: 1 sequence x token bucket, full sampler
-    (it samples one token per prompt, so a greedy twin would not pay for its compile time)."""
+    (it samples one token per prompt, so a greedy twin would not pay for its compile time), over
+    the full table and each prefill context bucket."""
     contexts = [c if c < config.max_model_len else 0 for c in config.context_buckets]
     specs = [GraphSpec("decode", b, 1, BASE_VARIANT, sampling, ctx)
              for b in config.decode_batch_buckets for ctx in contexts for sampling in SAMPLERS]
-    specs += [GraphSpec("prefill", 1, t, BASE_VARIANT) for t in config.prefill_token_buckets]
+    # prefill: each token bucket over the full table, and over every prefill context bucket that
+    # holds the padded chunk (a 64-token graph over a 32-token table could not place its padding)
+    specs += [GraphSpec("prefill", 1, t, BASE_VARIANT, context=c) for t in config.prefill_token_buckets
+              for c in config.prefill_contexts if c == 0 or c >= t]
     return specs
 
 

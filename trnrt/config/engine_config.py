@@ -43,6 +43,10 @@ class EngineConfig:
     # a decode batch whose longest sequence fits in one runs attention and the indexer over that
     # many tokens instead of max_model_len (as NxDI buckets token generation by sequence length).
     decode_context_buckets: tuple[int, ...] = ()
+    # The same for prefill graphs: a chunk whose sequence ends within one of these (start_pos + chunk
+    # tokens) runs over that many table tokens. The prefill graph's attention, indexer and mask cost
+    # scale with the table (at 1024 tokens, ~40% of a 64-token prefill of the tiny model).
+    prefill_context_buckets: tuple[int, ...] = ()
     num_blocks: int = 1025
     num_slots: int = 33
     max_top_logprobs: int = 20
@@ -65,14 +69,17 @@ class EngineConfig:
         object.__setattr__(self, "prefill_token_buckets", tuple(self.prefill_token_buckets))
         _check_buckets("decode_batch_buckets", self.decode_batch_buckets)
         _check_buckets("prefill_token_buckets", self.prefill_token_buckets)
-        object.__setattr__(self, "decode_context_buckets", tuple(self.decode_context_buckets))
-        if self.decode_context_buckets:
-            _check_buckets("decode_context_buckets", self.decode_context_buckets)
-            bad = [c for c in self.decode_context_buckets if c % self.block_size or c >= self.max_model_len]
+        for name in ("decode_context_buckets", "prefill_context_buckets"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+            buckets = getattr(self, name)
+            if not buckets:
+                continue
+            _check_buckets(name, buckets)
+            bad = [c for c in buckets if c % self.block_size or c >= self.max_model_len]
             if bad:
                 raise EngineConfigError(
-                    f"decode_context_buckets must be multiples of block_size ({self.block_size}) below max_model_len "
-                    f"({self.max_model_len}), got {list(self.decode_context_buckets)}", field="decode_context_buckets")
+                    f"{name} must be multiples of block_size ({self.block_size}) below max_model_len "
+                    f"({self.max_model_len}), got {list(buckets)}", field=name)
         object.__setattr__(self, "variants", tuple(self.variants))
         object.__setattr__(self, "compiler_args", tuple((str(b), str(a)) for b, a in self.compiler_args))
         if self.num_slots < 2:
@@ -101,6 +108,20 @@ class EngineConfig:
         """The decode graph context for a batch whose longest sequence holds `num_tokens` tokens
         (after this step): 0 (the full table) or the smallest shorter bucket that fits."""
         for c in self.decode_context_buckets:
+            if c >= num_tokens:
+                return c
+        return 0
+
+    @property
+    def prefill_contexts(self) -> tuple[int, ...]:
+        """Prefill graph contexts: each prefill_context_bucket, then 0 (the full table)."""
+        return (*self.prefill_context_buckets, 0)
+
+    def prefill_context_bucket(self, num_tokens: int) -> int:
+        """The prefill graph context for a chunk ending at `num_tokens` tokens (start_pos + chunk;
+        callers pass at least the chunk's token bucket, so the padded chunk fits the table too):
+        0 (the full table) or the smallest prefill context bucket that holds it."""
+        for c in self.prefill_context_buckets:
             if c >= num_tokens:
                 return c
         return 0

@@ -35,7 +35,7 @@ BACKENDS = ("cpu", "cuda", "neuron", "eager")
 # Top-level keys: name -> (type check, description for error messages).
 _INT_KEYS = ("block_size", "max_model_len", "max_top_logprobs", "tensor_parallel", "num_blocks", "num_slots")
 _BUCKET_KEYS = ("decode_batch_buckets", "prefill_token_buckets")
-_OPTIONAL_BUCKET_KEYS = ("decode_context_buckets",)
+_OPTIONAL_BUCKET_KEYS = ("decode_context_buckets", "prefill_context_buckets")
 _TOP_KEYS = ("dtype", *_INT_KEYS, *_BUCKET_KEYS, *_OPTIONAL_BUCKET_KEYS, "compiler")
 _REQUIRED = ("dtype", "block_size", "max_model_len", "decode_batch_buckets", "prefill_token_buckets")
 # Per backend: "args" (command-line arguments of the backend compiler, e.g. neuronx-cc) and
@@ -196,6 +196,7 @@ def parse_preset(raw: dict, name: str, path: Path) -> Preset:
             decode_batch_buckets=tuple(raw["decode_batch_buckets"]),
             prefill_token_buckets=tuple(raw["prefill_token_buckets"]),
             decode_context_buckets=tuple(raw.get("decode_context_buckets", ())),
+            prefill_context_buckets=tuple(raw.get("prefill_context_buckets", ())),
             num_blocks=num_blocks,
             num_slots=num_slots,
             max_top_logprobs=raw.get("max_top_logprobs", 20),
@@ -232,8 +233,9 @@ def graph_settings(cfg: EngineConfig) -> dict:
 
     `preset` (a name) and `variants` (flags chosen at compile time) are left out: the manifest
     records the flags itself, and renaming a preset file does not change a graph.
+    `prefill_context_buckets` appears only when set, so the presets without it keep their hash.
     """
-    return {
+    out = {
         "dtype": cfg.dtype,
         "block_size": cfg.block_size,
         "max_model_len": cfg.max_model_len,
@@ -246,6 +248,9 @@ def graph_settings(cfg: EngineConfig) -> dict:
         "tensor_parallel": cfg.tensor_parallel,
         "compiler": {b: json.loads(a) for b, a in cfg.compiler_args},
     }
+    if cfg.prefill_context_buckets:
+        out["prefill_context_buckets"] = list(cfg.prefill_context_buckets)
+    return out
 
 
 def preset_hash(cfg: EngineConfig) -> str:

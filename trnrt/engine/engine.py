@@ -118,7 +118,10 @@ def resolve_configs(
         engine_config = load_preset(preset or "default")
     ecfg = engine_config
     if context_length is not None and not compiled:
-        ecfg = ecfg.replace(max_model_len=context_length)
+        # context buckets at or past the new length would be the full table: drop them
+        ecfg = ecfg.replace(max_model_len=context_length,
+                            decode_context_buckets=tuple(c for c in ecfg.decode_context_buckets if c < context_length),
+                            prefill_context_buckets=tuple(c for c in ecfg.prefill_context_buckets if c < context_length))
     if max_running_requests is not None and compiled:
         if max_running_requests > ecfg.num_slots - 1:
             log.warning("compiled graphs hold %d slots: running at most %d requests, not %d",
@@ -138,13 +141,22 @@ def resolve_configs(
         max_model_len = min(max_model_len, context_length)
     scfg = scheduler_config or SchedulerConfig(
         max_num_seqs=max_running_requests or min(ecfg.max_decode_batch, ecfg.num_slots - 1),
-        max_num_batched_tokens=max(ecfg.max_prefill_tokens, ecfg.max_decode_batch),
+        max_num_batched_tokens=default_token_budget(ecfg),
         max_model_len=max_model_len,
         max_prefill_chunk_tokens=ecfg.max_prefill_tokens,
     )
     if scfg.max_num_seqs > ecfg.num_slots - 1:
         raise ValueError(f"max_num_seqs {scfg.max_num_seqs} exceeds the {ecfg.num_slots - 1} usable slots")
     return ecfg, scfg
+
+
+def default_token_budget(ecfg: EngineConfig) -> int:
+    """A step's default token budget: a full decode batch plus four largest prefill chunks.
+
+    A budget of one chunk (the old default, 64 tokens) left a loaded server 32 tokens of prefill a
+    step, so queued prompts waited seconds for their first token; four chunks admit a typical chat
+    prompt in one step while a step stays a few prefill graph calls long (docs/PERFORMANCE.md)."""
+    return ecfg.max_decode_batch + 4 * ecfg.max_prefill_tokens
 
 
 def _default_checkpoint_interval(ecfg: EngineConfig) -> int:

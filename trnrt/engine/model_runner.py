@@ -3,7 +3,7 @@
 Rows with one new token run in the decode graph (batch padded to a decode bucket, block tables cut
 to the smallest decode context bucket that holds the longest row, the greedy-sampler graph when
 every row is greedy); each prefill chunk runs in the prefill graph (one sequence, tokens padded to
-a token bucket). Eager or compiled, the runner always pads to the EngineConfig's buckets, so a test
+a token bucket, block table cut to the smallest prefill context bucket that holds the sequence). Eager or compiled, the runner always pads to the EngineConfig's buckets, so a test
 of the eager path is a test of the compiled shapes.
 """
 
@@ -239,6 +239,9 @@ class ModelRunner:
             for i, res in zip(idx, self._run(spec, [rows[i] for i in idx])):
                 results[i] = res
         for i in prefill:
-            spec = GraphSpec("prefill", 1, self.cfg.prefill_bucket(len(rows[i].token_ids)))
-            results[i] = self._run(spec, [rows[i]])[0]
+            r = rows[i]
+            tokens = self.cfg.prefill_bucket(len(r.token_ids))
+            # the short table must hold the sequence after this chunk and the padded chunk itself
+            context = self.cfg.prefill_context_bucket(max(r.start_pos + len(r.token_ids), tokens))
+            results[i] = self._run(GraphSpec("prefill", 1, tokens, context=context), [r])[0]
         return results  # type: ignore[return-value]
