@@ -128,7 +128,8 @@ def test_model_uses_kernels_and_matches_plain(ops, model, monkeypatch):
     n_sparse = cfg.mlp_layer_types.count("sparse")
     steps, decodes = 6, 5
     assert calls["hc_collapse"] == calls["hc_expand"] == 2 * n_layers * steps
-    assert calls["kda_decode"] == n_kda * decodes  # the prefill runs the chunked plain path
+    assert calls["kda_decode"] == n_kda * decodes
+    assert calls["kda_chunk_pairs"] == n_kda  # the prefill: one chunk (23 tokens) per KDA layer
     assert calls["gated_rms_norm"] == n_kda * steps
     assert calls["rms_norm"] >= 2 * n_layers * steps
     assert calls["indexer_decode"] == n_full * decodes and calls["mla_decode_attn"] == n_mla * decodes
@@ -145,6 +146,31 @@ def test_model_uses_kernels_and_matches_plain(ops, model, monkeypatch):
     for a, b in zip(st_f.tensors(), st_p.tensors()):
         # scratch slot / block 0 take the padding row's writes in either order: skip them
         torch.testing.assert_close(a[:, 1:], b[:, 1:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("S,chunk", [(23, 64), (64, 16), (40, 16)])
+def test_kda_chunked_pairs_match_plain_path(ops, monkeypatch, S, chunk):
+    """kda_chunked with the fused pairwise kernel equals the plain path (outputs and final state),
+    over several chunks, a padded last chunk and padded (g = 0, beta = 0) rows."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(S + chunk)
+    B, H, Dk, Dv = 2, 3, 16, 8
+    q = F.normalize(torch.randn(B, S, H, Dk, generator=g), dim=-1) * Dk ** -0.5
+    k = F.normalize(torch.randn(B, S, H, Dk, generator=g), dim=-1)
+    v = torch.randn(B, S, H, Dv, generator=g)
+    gate = -torch.rand(B, S, H, Dk, generator=g) * 2  # log-decays <= 0
+    beta = torch.rand(B, S, H, generator=g)
+    gate[1, S - 5:], beta[1, S - 5:] = 0.0, 0.0  # row 1 ends in padding
+    s0 = torch.randn(B, H, Dk, Dv, generator=g)
+    o_f, s_f = M.kda_chunked(q, k, v, gate, beta, s0, chunk=chunk)
+    _plain(monkeypatch)
+    o_p, s_p = M.kda_chunked(q, k, v, gate, beta, s0, chunk=chunk)
+    torch.testing.assert_close(o_f, o_p, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s_f, s_p, atol=1e-5, rtol=1e-5)
+    A, Mm = ops.kda_chunk_pairs(q[0, :chunk].transpose(0, 1).contiguous(), k[0, :chunk].transpose(0, 1).contiguous(),
+                                gate[0, :chunk].transpose(0, 1).cumsum(1).contiguous())
+    assert (A.triu() == 0).all() and (Mm.triu(1) == 0).all() and (Mm.diagonal(dim1=1, dim2=2) != 0).all()
 
 
 def test_kda_decode_restart_and_padding(ops, model, monkeypatch):

@@ -422,10 +422,14 @@ def kda_chunked(q, k, v, g, beta, s0, chunk: int = KDA_CHUNK):
         sl = slice(n * C, (n + 1) * C)
         qc, kc, vc, bc = q[:, :, sl], k[:, :, sl], v[:, :, sl], beta[:, :, sl]
         G = g[:, :, sl].cumsum(-2)  # [B,H,C,Dk] inclusive cumulative log-decay
-        diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [B,H,C(t),C(s),Dk], <= 0 where t >= s
-        decay = torch.exp(diff.masked_fill(~incl[:, :, None], float("-inf")))  # 0 above the diagonal
-        A = ((kc.unsqueeze(-2) * kc.unsqueeze(-3)) * decay).sum(-1)  # [B,H,C,C]
-        M = ((qc.unsqueeze(-2) * kc.unsqueeze(-3)) * decay).sum(-1)  # inclusive
+        if fused_kernels(G):  # eager CPU: the pairwise sums without the [B,H,C,C,Dk] tensor
+            A, M = torch.ops.trnrt.kda_chunk_pairs(qc.reshape(-1, C, Dk), kc.reshape(-1, C, Dk), G.reshape(-1, C, Dk))
+            A, M = A.view(B, H, C, C), M.view(B, H, C, C)  # A strictly lower, M lower (as below)
+        else:
+            diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [B,H,C(t),C(s),Dk], <= 0 where t >= s
+            decay = torch.exp(diff.masked_fill(~incl[:, :, None], float("-inf")))  # 0 above the diagonal
+            A = ((kc.unsqueeze(-2) * kc.unsqueeze(-3)) * decay).sum(-1)  # [B,H,C,C]
+            M = ((qc.unsqueeze(-2) * kc.unsqueeze(-3)) * decay).sum(-1)  # inclusive
         lhs = eye + (bc * A).masked_fill(~strict, 0.0)
         eG = torch.exp(G)
         rhs = torch.cat([bc * vc, bc * (kc * eG)], dim=-1)  # [B,H,C,Dv+Dk]

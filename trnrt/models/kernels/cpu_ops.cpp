@@ -562,6 +562,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> indexer_decode(
   return {blk, off, vis, pool_mask};
 }
 
+// The pairwise part of one KDA prefill chunk (trnrt/models/glm5_next/model.py kda_chunked): for
+// q, k, G [N, C, Dk] (N = batch x heads; G the inclusive cumulative log-decay of the chunk),
+//   A[t, s] = sum_c (k[t,c] * k[s,c]) * exp(G[t,c] - G[s,c])   for s < t, else 0
+//   M[t, s] = sum_c (q[t,c] * k[s,c]) * exp(G[t,c] - G[s,c])   for s <= t, else 0
+// -> (A, M) [N, C, C] fp32. The PyTorch path materialises the [N, C, C, Dk] decay tensor (exp over
+// both triangles, masked) and reduces it: ~8 passes over C*C*Dk floats per layer, about half of a
+// tiny-model prefill chunk. Here each exp is computed once, for the lower triangle only, and the
+// products keep the PyTorch path's order ((x_t * k_s) * decay); only the sum order differs.
+std::tuple<at::Tensor, at::Tensor> kda_chunk_pairs(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                   const at::Tensor& g_in) {
+  TORCH_CHECK(q_in.dim() == 3 && q_in.sizes() == k_in.sizes() && q_in.sizes() == g_in.sizes(),
+              "kda_chunk_pairs: q, k, G must be [N, C, Dk] of one shape");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_in.scalar_type() == at::kFloat && g_in.scalar_type() == at::kFloat,
+              "kda_chunk_pairs: fp32 only");
+  auto q = q_in.contiguous(), k = k_in.contiguous(), g = g_in.contiguous();
+  const int64_t n = q.size(0), c = q.size(1), d = q.size(2);
+  auto A = at::zeros({n, c, c}, q.options());
+  auto M = at::zeros({n, c, c}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  float* ap = A.data_ptr<float>();
+  float* mp = M.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> kd(d);
+    for (int64_t i = b0; i < b1; ++i) {
+      const float* qi = qp + i * c * d;
+      const float* ki = kp + i * c * d;
+      const float* gi = gp + i * c * d;
+      for (int64_t t = 0; t < c; ++t) {
+        const float* qt = qi + t * d;
+        const float* kt = ki + t * d;
+        const float* gt = gi + t * d;
+        for (int64_t s = 0; s <= t; ++s) {
+          const float* ks = ki + s * d;
+          const float* gs = gi + s * d;
+          for (int64_t j = 0; j < d; ++j) kd[j] = std::exp(gt[j] - gs[j]);
+          float sm = 0.0f, sa = 0.0f;
+          for (int64_t j = 0; j < d; ++j) sm += (qt[j] * ks[j]) * kd[j];
+          if (s < t) {
+            for (int64_t j = 0; j < d; ++j) sa += (kt[j] * ks[j]) * kd[j];
+          }
+          mp[(i * c + t) * c + s] = sm;
+          ap[(i * c + t) * c + s] = sa;
+        }
+      }
+    }
+  });
+  return {A, M};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(trnrt, m) {
@@ -580,6 +631,7 @@ TORCH_LIBRARY(trnrt, m) {
   m.def("indexer_decode(Tensor k, Tensor gs, Tensor q, Tensor hw, Tensor(a!) tail_state, Tensor(b!) pooled_state, "
         "int layer, Tensor ape, Tensor block_tables, Tensor slot_ids, Tensor pos, Tensor valid, Tensor pool_blk, "
         "Tensor pool_off, int k_top, int block_size) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("kda_chunk_pairs(Tensor q, Tensor k, Tensor G) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(trnrt, CPU, m) {
@@ -591,4 +643,5 @@ TORCH_LIBRARY_IMPL(trnrt, CPU, m) {
   m.impl("moe_routed", &moe_routed);
   m.impl("mla_decode_attn", &mla_decode_attn);
   m.impl("indexer_decode", &indexer_decode);
+  m.impl("kda_chunk_pairs", &kda_chunk_pairs);
 }
