@@ -55,9 +55,28 @@ def test_graph_ids_round_trip_and_bad_ids_are_refused():
 
 def test_known_flag_without_variant_is_refused():
     cfg = load_preset("default")
-    for flag in ("structured_outputs", "penalties"):
-        with pytest.raises(UnknownVariantError, match="no variant graph is defined for --" + flag.replace("_", "-")):
-            expand(cfg, [flag])
+    for flags in (["penalties"], ["penalties", "structured_outputs"]):
+        with pytest.raises(UnknownVariantError, match="no variant graph is defined for --penalties"):
+            expand(cfg, flags)
+
+
+def test_structured_outputs_variant_doubles_decode_and_prefill_only():
+    """--structured-outputs: one variant per base spec (decode and prefill), the base list unchanged,
+    each variant taking the packed [B, ceil(V/32)] int32 token bitmask after the base inputs."""
+    from trnrt.compile.catalogue import get_variant
+
+    cfg = load_preset("batch8")
+    base = expand(cfg)
+    specs = expand(cfg, ["structured_outputs"])
+    assert [s for s in specs if s.variant == "base"] == base
+    variants = [s for s in specs if s.variant != "base"]
+    assert {s.variant for s in variants} == {"structured_outputs"}
+    assert [(s.phase, s.batch, s.tokens, s.sampling, s.context) for s in variants] == \
+        [(s.phase, s.batch, s.tokens, s.sampling, s.context) for s in base]
+    vd = get_variant("structured_outputs")
+    assert vd.extra_input_names == ("token_bitmask",) and vd.phases == ("decode", "prefill")
+    (mask,) = vd.example_extra_inputs(variants[0], cfg, 4096, "cpu")
+    assert mask.shape == (variants[0].batch, 128) and str(mask.dtype) == "torch.int32" and bool((mask == -1).all())
 
 
 @pytest.fixture

@@ -425,7 +425,7 @@ BAD = [
     ({**OK, "tool_choice": "required"}, 400, "tool_choice"),
     ({**OK, "tool_choice": {"type": "function", "name": "get_weather"}}, 400, "tool_choice"),
     ({**OK, "tool_choice": "sometimes"}, 400, "tool_choice"),
-    ({**OK, "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, 400, "text.format"),
+    ({**OK, "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, 400, "text.format.schema"),  # flag off: names the flag
     ({**OK, "text": {"format": {"type": "json_object"}}}, 400, "text.format"),
     ({**OK, "text": {"format": {"type": "yaml"}}}, 400, "text.format"),
     ({**OK, "text": {"verbosity": "high"}}, 400, "text.verbosity"),

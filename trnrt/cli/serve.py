@@ -64,6 +64,8 @@ class ServeArgs:
     chunked_prefill_size: int | None = None
     # Without --compiled, run the artifact cache's graphs of this model and preset when valid
     disable_compiled_cache: bool = False
+    # Structured outputs (xgrammar; the "structured_outputs" variant graphs)
+    structured_outputs: bool = False
 
     @property
     def max_concurrent_requests(self) -> int:
@@ -246,7 +248,7 @@ def build_engine(args: ServeArgs):
         common = dict(served_model_name=args.served_model_name or "trnrt-tiny", model_path=model_dir,
                       max_model_len=max_model_len, max_running_requests=args.max_running_requests,
                       step_delay_s=args.scripted_step_delay_s, stream_interval=args.stream_interval,
-                      submit_log_size=0)
+                      submit_log_size=0, structured_outputs=args.structured_outputs)
         if _accepts(Engine.scripted, "scheduler_config"):
             from trnrt.engine.engine import resolve_configs
 
@@ -293,7 +295,8 @@ def build_engine(args: ServeArgs):
                                    context_length=args.context_length, scheduler_config=scfg,
                                    served_model_name=args.served_model_name,
                                    compiled_loader=loader, compiled_backend=args.backend or "cpu",
-                                   stream_interval=args.stream_interval, **kw)
+                                   stream_interval=args.stream_interval, structured_outputs=args.structured_outputs,
+                                   **kw)
     return engine, tokenizer_factory
 
 
@@ -431,6 +434,7 @@ def serve(
     default_chat_template_kwargs: Annotated[Optional[str], typer.Option("--default-chat-template-kwargs", help="JSON object merged under each request's chat_template_kwargs.")] = None,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="Seconds to let in-flight requests finish on SIGINT/SIGTERM.", min=0)] = 30.0,
     log_level: Annotated[str, typer.Option("--log-level", help="debug | info | warning | error | critical (any case).")] = "info",
+    structured_outputs: Annotated[bool, typer.Option("--structured-outputs", help="Serve structured outputs (JSON schema, regex, EBNF, choice, structural tags; tool_choice required/named) with xgrammar: needs `pip install 'trnrt[grammar]'`, and with --compiled artifacts built with `trnrt compile --structured-outputs`.")] = False,
     scripted: Annotated[bool, typer.Option("--scripted", hidden=True, help="Serve a scripted engine (tests).")] = False,
     scripted_step_delay: Annotated[float, typer.Option("--scripted-step-delay", hidden=True, help="Seconds per scripted decode step.")] = 0.0,
     compiled: Annotated[Optional[str], typer.Option("--compiled", help="Run the graphs `trnrt compile --out DIR` built for --preset (refused if built from another model, preset or graph).", metavar="DIR")] = None,
@@ -516,6 +520,7 @@ def serve(
         abort_on_priority_when_disabled=abort_on_priority_when_disabled,
         max_num_batched_tokens=max_num_batched_tokens, chunked_prefill_size=chunked_prefill_size,
         disable_compiled_cache=disable_compiled_cache,
+        structured_outputs=structured_outputs,
     )
     check_cache_and_scheduling(args)
     _check_port_free(host, port)  # before the model loads (seconds), not after
@@ -526,6 +531,13 @@ def serve(
         engine, tokenizer_factory = build_engine(args)
     except ValueError as e:  # a bad checkpoint, preset or compiled artifact: say which, exit 2
         typer.secho(f"error: {e}", err=True, fg="red")
+        raise typer.Exit(2)
+    except RuntimeError as e:
+        from trnrt.engine.grammar import GrammarUnavailableError
+
+        if not isinstance(e, GrammarUnavailableError):
+            raise
+        typer.secho(f"error: --structured-outputs: {e}", err=True, fg="red")
         raise typer.Exit(2)
     settings = ServeSettings(
         served_model_name=args.served_model_name, api_key=args.api_key, context_length=args.context_length,

@@ -49,7 +49,8 @@ class VariantDef:
     flags: frozenset[str] = field(default_factory=frozenset)
 
 
-# Flag sets -> definitions. Empty until the structured-output / penalties issue registers theirs.
+# Flag sets -> definitions registered explicitly (tests); every other flag set whose flags all
+# have a logits processor (trnrt.engine.logits_processors) is derived from them on first use.
 _VARIANTS: dict[frozenset[str], VariantDef] = {}
 # Flags the command line accepts; a known flag without a registered variant is reported as such.
 KNOWN_FLAGS = ("structured_outputs", "penalties")
@@ -81,10 +82,33 @@ def unregister_variant(flags: Iterable[str]) -> None:
 def get_variant(name_or_flags) -> VariantDef:
     """The definition of a variant, by name ("a+b") or flag set."""
     fs = frozenset(name_or_flags.split("+")) if isinstance(name_or_flags, str) else frozenset(name_or_flags)
-    try:
-        return _VARIANTS[fs]
-    except KeyError:
-        raise UnknownVariantError(no_variant_message(fs)) from None
+    vd = _VARIANTS.get(fs) or _processor_variant(fs)
+    if vd is None:
+        raise UnknownVariantError(no_variant_message(fs))
+    return vd
+
+
+def _processor_variant(fs: frozenset[str]) -> VariantDef | None:
+    """The superset variant of `fs` built from the flags' logits processors: the base step with
+    every processor of the set chained before the sampler (trnrt.engine.variant_step), on the
+    union of their phases. None when a flag has no processor."""
+    from trnrt.engine import logits_processors as lp
+    from trnrt.engine.variant_step import VariantStepFunction, extra_example_inputs, extra_input_names
+
+    if not fs or any(lp.processor(f) is None for f in fs):
+        return None
+    procs = lp.processors_for(fs)
+    phases = tuple(p for p in _PHASE_ORDER if any(p in pr.phases for pr in procs))
+    flags = frozenset(fs)
+
+    def make_step(model, state, engine_config):
+        return VariantStepFunction(model, state, engine_config.max_top_logprobs, flags)
+
+    def example_extra(spec, engine_config, vocab_size, device):
+        return extra_example_inputs(flags, spec.batch, vocab_size, device)
+
+    return VariantDef(name=variant_name(fs), phases=phases, make_step=make_step, example_extra_inputs=example_extra,
+                      extra_input_names=extra_input_names(flags), flags=flags)
 
 
 def no_variant_message(flags: Iterable[str]) -> str:

@@ -63,6 +63,17 @@ _REPLY_GRACE_S = 5.0
 _GEN_THROUGHPUT_WINDOW_S = 60.0  # load().gen_throughput: output tok/s over the last minute (stats' "1m" rate)
 
 
+STRUCTURED_OUTPUTS = "structured_outputs"  # the feature flag (and variant) of grammars
+STRUCTURED_OUTPUTS_OFF_MESSAGE = "{param} needs structured outputs: start the server with --structured-outputs"
+
+
+def with_structured_outputs(ecfg: EngineConfig, on: bool) -> EngineConfig:
+    """`ecfg` with the structured_outputs variant flag added (on) or left as it is."""
+    if not on or STRUCTURED_OUTPUTS in ecfg.variants:
+        return ecfg
+    return ecfg.replace(variants=tuple(sorted({*ecfg.variants, STRUCTURED_OUTPUTS})))
+
+
 class EngineDeadError(RuntimeError):
     """The engine is shutting down or its thread died; no new requests are accepted."""
 
@@ -223,7 +234,8 @@ class Engine:
 
     def __init__(self, runner: "ModelRunner", tokenizer, model_info: ModelInfo, engine_config: EngineConfig,
                  scheduler_config: SchedulerConfig, *, start: bool = True, stream_interval: int = 1,
-                 submit_log_size: int = 0, prefix_cache_config: "PrefixCacheConfig | None" = None):
+                 submit_log_size: int = 0, prefix_cache_config: "PrefixCacheConfig | None" = None,
+                 grammar_cache_mb: int = 256):
         from trnrt.stats import StatsCollector  # pure Python
 
         if not isinstance(stream_interval, int) or isinstance(stream_interval, bool) or stream_interval < 1:
@@ -259,6 +271,10 @@ class Engine:
         self._live_lock = threading.Lock()
         self._live_ids: set[str] = set()
         self._pending_flush: FlushCacheMsg | None = None  # engine thread only
+        # Structured outputs (engine_config.variants holds "structured_outputs"): the grammar
+        # compiler (used on submitting threads) and each live request's matcher (engine thread).
+        self.grammar_service = self._build_grammar_service(grammar_cache_mb)
+        self._grammars: dict = {}
         self._cache_poisoned = False  # a prefix-cache copy failed this step
         self._gen_rate = _TokenRate(_GEN_THROUGHPUT_WINDOW_S)
         self._load = EngineLoad()
@@ -270,6 +286,16 @@ class Engine:
         self.thread = threading.Thread(target=self._run, name="trnrt-engine", daemon=True)
         if start:
             self.thread.start()
+
+    def _build_grammar_service(self, cache_mb: int):
+        """The GrammarCompilerService when structured outputs are on (None otherwise). Raises
+        GrammarUnavailableError (a clear message) when xgrammar is not installed."""
+        if STRUCTURED_OUTPUTS not in self.engine_config.variants:
+            return None
+        from trnrt.engine.grammar import GrammarCompilerService
+
+        info = self.model_info
+        return GrammarCompilerService(self.tokenizer, info.vocab_size, info.eos_token_ids, cache_mb=cache_mb)
 
     def _build_prefix_cache(self, pcc):
         """The RadixCache, its pools and the runner's state copies for `pcc` (None / disabled:
@@ -329,8 +355,13 @@ class Engine:
         start: bool = True,
         stream_interval: int = 1,
         prefix_cache_config: "PrefixCacheConfig | None" = None,
+        structured_outputs: bool = False,
     ) -> "Engine":
         """Load the checkpoint (None: the embedded tiny model) and start the engine thread.
+
+        structured_outputs: serve grammars (xgrammar; `trnrt serve --structured-outputs`): the
+        engine config gets the "structured_outputs" variant flag, so compiled artifacts must
+        hold its variant graphs.
 
         `preset`, `max_running_requests` and `context_length`: see `resolve_configs`.
 
@@ -355,6 +386,7 @@ class Engine:
         ecfg, scfg = resolve_configs(engine_config, preset=preset, scheduler_config=scheduler_config,
                                      max_running_requests=max_running_requests, context_length=context_length,
                                      compiled=compiled_loader is not None)
+        ecfg = with_structured_outputs(ecfg, structured_outputs)
         dtype = getattr(torch, ecfg.dtype)
         model = load_model(path, dtype=dtype, device=device)
         mcfg = model.config
@@ -407,6 +439,7 @@ class Engine:
         start: bool = True,
         prefix_cache_config: "PrefixCacheConfig | None" = None,
         scheduler_config: SchedulerConfig | None = None,
+        structured_outputs: bool = False,
     ) -> "Engine":
         """An Engine whose runner replays `script(prompt_ids)` (trnrt.engine.scripted_runner)
         instead of running a model: everything else (scheduler, stop checks, detokenizer, streams,
@@ -427,6 +460,7 @@ class Engine:
                                      context_length=max_model_len, scheduler_config=scheduler_config)
         if num_blocks is not None:
             ecfg = ecfg.replace(num_blocks=num_blocks)
+        ecfg = with_structured_outputs(ecfg, structured_outputs)
         if max_num_batched_tokens is not None:
             scfg = dataclasses.replace(scfg, max_num_batched_tokens=max_num_batched_tokens)
         if eos_token_ids is None:
@@ -439,6 +473,7 @@ class Engine:
         vocab_size = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.get_vocab_size()
         runner = ScriptedRunner(script, eos_token_id=eos_token_ids[0], vocab_size=vocab_size,
                                 step_delay_s=step_delay_s, block_size=ecfg.block_size)
+        runner.eos_token_ids = eos_token_ids
         info = ModelInfo(model_path=str(model_path), served_model_name=served_model_name, vocab_size=vocab_size,
                          max_model_len=scfg.max_model_len, eos_token_ids=eos_token_ids, preset=ecfg.preset,
                          backend="scripted", compiled=False)
@@ -491,12 +526,25 @@ class Engine:
                 )
         request.sampling_params.validate(vocab_size=vocab)
         self.scheduler.validate_request(request)  # reads only immutable config
+        self._prepare_grammar(request)
         if request.sampling_params.seed is None:
             # Unseeded requests still get a per-request seed: the in-graph sampler keys its noise
             # on (seed, position), so even random sampling is independent of batch composition.
             request.sampling_params = request.sampling_params.clone(seed=int.from_bytes(os.urandom(8), "little") & _SEED_MASK)
         if request.arrival_time_s is None:
             request.arrival_time_s = time.monotonic()
+
+    def _prepare_grammar(self, request: GenerateRequest) -> None:
+        """Caller's thread: compile the request's grammar and make its matcher (never on the
+        engine thread). A grammar on an engine without structured outputs, or one xgrammar
+        refuses, is an InvalidRequestError naming the client's field."""
+        spec = request.sampling_params.grammar
+        if spec is None:
+            request.grammar_state = None
+            return
+        if self.grammar_service is None:
+            raise InvalidRequestError(STRUCTURED_OUTPUTS_OFF_MESSAGE.format(param=spec.param), field=spec.param)
+        request.grammar_state = self.grammar_service.new_state(spec)
 
     def abort(self, request_id: str) -> None:
         """Abort one request by id (queued or running; a no-op otherwise). Asynchronous."""
@@ -760,6 +808,9 @@ class Engine:
             return
         sp = request.sampling_params
         self._streams[rid] = stream
+        if request.grammar_state is not None:
+            self._grammars[rid] = request.grammar_state
+            request.grammar_state = None  # the engine thread owns it now
         self._detoks[rid] = IncrementalDetokenizer(
             self._decoder, request.prompt_token_ids, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
             stop_regex=sp.stop_regex, include_stop_str_in_output=sp.include_stop_str_in_output,
@@ -779,6 +830,7 @@ class Engine:
         stream.put(output)
 
     def _release_runner(self, rid: str) -> None:
+        self._grammars.pop(rid, None)
         release = getattr(self.runner, "release", None)
         if release is not None:
             release([rid])
@@ -918,6 +970,7 @@ class Engine:
                 token_ids=s.token_ids, start_pos=s.num_computed_tokens, block_ids=s.block_table, slot_id=s.slot_id,
                 temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, seed=sp.seed or 0,
                 num_logprobs=sp.logprobs, request_id=s.request_id, do_sample=s.do_sample,
+                token_bitmask=self._grammar_mask(s.request_id) if s.do_sample and self._grammars else None,
             ))
         try:
             results = self.runner.execute(rows)
@@ -938,6 +991,25 @@ class Engine:
         sampled = [r.token_id if s.do_sample else None for s, r in zip(sched_out.scheduled, results)]
         logprobs = [r.logprob if s.do_sample else None for s, r in zip(sched_out.scheduled, results)]
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, failed=failed)
+
+    def _grammar_mask(self, rid: str):
+        """The packed next-token mask of a request with a grammar (None: none, or not applying yet)."""
+        state = self._grammars.get(rid)
+        return None if state is None else state.next_mask()
+
+    def _grammar_advance(self, rid: str, token_ids: list[int]) -> FinishReason | None:
+        """Accept a request's new tokens in its matcher and fill the next mask; a "stop" when the
+        grammar cannot go on (a dead end: no token allowed; or a token it rejects) instead of
+        sampling from an all -inf row next step."""
+        state = self._grammars.get(rid)
+        if state is None:
+            return None
+        for t in token_ids:
+            if not state.accept(t):
+                log.warning("request %s: the grammar rejected sampled token %d; ending it", rid, t)
+                return FinishReason("stop")
+        state.next_mask()
+        return FinishReason("stop") if state.dead else None
 
     def _apply_cache_ops(self, ops) -> bool:
         """Run the prefix cache's state copies on the runner. False (logged) if they failed."""
@@ -968,6 +1040,8 @@ class Engine:
             return
         text = detok.step(u.new_token_ids, exclude_last=is_token_stop(u.finish_reason))
         reason = StopChecker.merge(u.finish_reason, detok.matched_stop)
+        if reason is None and self._grammars:
+            reason = self._grammar_advance(rid, u.new_token_ids)
         if reason is not None and not u.finished:  # a stop string ended a live request
             self.scheduler.finish_request(rid, reason)
         if reason is not None:

@@ -19,6 +19,7 @@ from trnrt.config import EngineConfig
 # RowInput / RowResult live in the pure outputs module (the scripted runner uses them without torch).
 from trnrt.engine.outputs import RowInput, RowResult, TokenLogprob
 from trnrt.engine.step import SAMPLERS, STEP_INPUT_NAMES, GraphSpec, StepFunction
+from trnrt.engine import logits_processors
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,17 @@ class ModelRunner:
         self.compiled = compiled or {}
         self.num_graph_calls: dict[str, int] = {}
         self._bufs: dict[tuple[int, int, int], _InputBuffers] = {}
+        # The enabled feature flags' superset variant ("" = none): a batch with a row that needs
+        # one of them runs in it, with neutral inputs for the other rows; see _variant_of.
+        self.variant = "+".join(sorted(set(engine_config.variants)))
+        self.processors = logits_processors.processors_for(engine_config.variants) if self.variant else []
+        self._extra_bufs: dict[tuple[str, int], tuple] = {}
+        if self.variant:
+            from trnrt.engine.variant_step import VariantStepFunction
+
+            for sampling in SAMPLERS:
+                self.step_fns[(self.variant, sampling)] = VariantStepFunction(
+                    model, state, engine_config.max_top_logprobs, engine_config.variants, sampling)
 
     # -- padding -----------------------------------------------------------------------------
 
@@ -116,9 +128,41 @@ class ModelRunner:
             out = tuple(t.to(self.device) for t in out)
         return out
 
+    # -- variants: logits-processor inputs --------------------------------------------------------
+
+    def _variant_of(self, rows: list[RowInput]) -> str:
+        """The variant a group of rows runs in: the superset variant when any row carries a
+        non-neutral processor input, else "base" (so with no feature in use, or with every flag
+        off, exactly the base graphs run)."""
+        if self.variant and any(p.row_value(r) is not None for p in self.processors for r in rows):
+            return self.variant
+        return "base"
+
+    def _pack_extra(self, spec: GraphSpec, rows: list[RowInput]) -> tuple[torch.Tensor, ...]:
+        """The variant's extra inputs for `rows` padded to spec.batch (neutral for the others),
+        in persistent host buffers per (variant, batch) like the base inputs."""
+        if spec.variant == "base":
+            return ()
+        key = (spec.variant, spec.batch)
+        bufs = self._extra_bufs.get(key)
+        if bufs is None:
+            arrays = [p.host_buffers(spec.batch, self.vocab_size) for p in self.processors]
+            bufs = self._extra_bufs[key] = (arrays, tuple(torch.from_numpy(a) for arr in arrays for a in arr))
+        arrays, tensors = bufs
+        for p, arr in zip(self.processors, arrays):
+            p.pack(arr, [p.row_value(r) for r in rows])
+        if self.device.type != "cpu":
+            return tuple(t.to(self.device) for t in tensors)
+        return tensors
+
+    def _step_fn(self, spec: GraphSpec):
+        if spec.variant == "base":
+            return self.compiled.get(spec) or self.step_fns[spec.sampling]
+        return self.compiled.get(spec) or self.step_fns[(spec.variant, spec.sampling)]
+
     def _run(self, spec: GraphSpec, rows: list[RowInput]) -> list[RowResult]:
-        inputs = self._pack(rows, spec.batch, spec.tokens, spec.context)
-        fn = self.compiled.get(spec) or self.step_fns[spec.sampling]
+        inputs = self._pack(rows, spec.batch, spec.tokens, spec.context) + self._pack_extra(spec, rows)
+        fn = self._step_fn(spec)
         self.num_graph_calls[spec.graph_id] = self.num_graph_calls.get(spec.graph_id, 0) + 1
         if torch.is_inference_mode_enabled():  # the engine thread runs in inference mode throughout
             token_ids, token_lp, top_ids, top_lp = fn(*inputs)
@@ -234,8 +278,8 @@ class ModelRunner:
             idx = decode[k : k + maxb]
             group = [rows[i] for i in idx]
             context = self.cfg.context_bucket(max(r.start_pos + 1 for r in group))
-            spec = GraphSpec("decode", self.cfg.decode_bucket(len(idx)), 1, sampling=self._sampling(group, context),
-                             context=context)
+            spec = GraphSpec("decode", self.cfg.decode_bucket(len(idx)), 1, self._variant_of(group),
+                             sampling=self._sampling(group, context), context=context)
             for i, res in zip(idx, self._run(spec, [rows[i] for i in idx])):
                 results[i] = res
         for i in prefill:
@@ -243,5 +287,5 @@ class ModelRunner:
             tokens = self.cfg.prefill_bucket(len(r.token_ids))
             # the short table must hold the sequence after this chunk and the padded chunk itself
             context = self.cfg.prefill_context_bucket(max(r.start_pos + len(r.token_ids), tokens))
-            results[i] = self._run(GraphSpec("prefill", 1, tokens, context=context), [r])[0]
+            results[i] = self._run(GraphSpec("prefill", 1, tokens, self._variant_of([r]), context=context), [r])[0]
         return results  # type: ignore[return-value]

@@ -8,6 +8,7 @@ Pure Python.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from trnrt.engine.request import FinishReason, SamplingParams
 
@@ -71,6 +72,9 @@ class RowInput:
     num_logprobs: int | None  # None: no logprobs
     request_id: str = ""
     do_sample: bool = True  # False: a partial prefill chunk (its result is ignored)
+    # Logits-processor inputs (trnrt.engine.logits_processors); None = neutral (the row samples as
+    # in the base graph). A batch where every row is neutral runs in the base graph.
+    token_bitmask: Any = None  # structured outputs: [ceil(V/32)] int32, xgrammar's packed mask
 
 
 @dataclass

@@ -47,6 +47,9 @@ class SamplingParams:
     # Keep the matched stop string / regex match / stop token's text (vLLM's
     # include_stop_str_in_output, SGLang's no_stop_trim).
     include_stop_str_in_output: bool = False
+    # Structured output (trnrt.engine.grammar_spec.GrammarSpec); None: unconstrained. Needs an
+    # engine started with structured outputs (the "structured_outputs" variant graphs).
+    grammar: object = None
 
     MAX_TOP_LOGPROBS = 20
 
@@ -158,6 +161,9 @@ class GenerateRequest:
     # Prefix-cache namespace (SGLang's extra_key / cache_salt, vLLM's cache_salt): requests with
     # different values never share cached state. None: the default namespace.
     cache_salt: str | None = None
+    # Set by Engine.submit when sampling_params.grammar is set: the request's compiled grammar
+    # and matcher (trnrt.engine.grammar.GrammarState), handed to the engine thread with the request.
+    grammar_state: object = field(default=None, repr=False, compare=False)
 
 
 def check_context_length(

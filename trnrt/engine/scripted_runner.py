@@ -17,6 +17,9 @@ How rows map to requests (`RowInput.request_id`, `RowInput.do_sample`):
   getting EOS until max_new_tokens, as a model that only says EOS would).
 - A script that raises, or returns an id outside the vocabulary, fails that request only
   (`RowResult.error`); the other rows of the step go on.
+- A row with a token bitmask (structured outputs) honours it as the model's sampler would: a
+  scripted token the mask forbids is replaced by an EOS id when one is allowed, else by the
+  lowest allowed id (`num_masked_tokens` counts the replacements).
 - Logprobs are deterministic fake values: the chosen token first among `top`, `num_logprobs`
   entries, decreasing.
 
@@ -51,6 +54,11 @@ Script = Callable[[list[int]], list[int]]
 def echo_script(prompt_ids: list[int]) -> list[int]:
     """The script of `trnrt serve --scripted`: the last 16 prompt tokens, reversed."""
     return list(reversed(prompt_ids[-16:]))
+
+
+def _allowed(mask, token: int) -> bool:
+    """Bit `token` of a packed int32 token bitmask row (xgrammar's layout)."""
+    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
 
 
 class PauseSwitch:
@@ -131,6 +139,8 @@ class ScriptedRunner:
         self._host_pages: dict[int, list[int | None]] = {}
         self.num_cache_ops: dict[str, int] = {}
         self.num_state_mismatches = 0
+        self.num_masked_tokens = 0
+        self.eos_token_ids: tuple[int, ...] = (eos_token_id,)  # the Engine sets every EOS id
 
     # -- the runner contract (engine thread) -------------------------------------------------
 
@@ -261,11 +271,27 @@ class ScriptedRunner:
             return RowResult(token_id=self.eos_token_id, error=rec.error)
         assert rec.outputs is not None
         token = rec.outputs[index] if index < len(rec.outputs) else self.eos_token_id
+        if row.token_bitmask is not None and 0 <= token < self.vocab_size and not _allowed(row.token_bitmask, token):
+            token = self._masked_choice(row.token_bitmask)
         if not (0 <= token < self.vocab_size):
             rec.error = f"scripted runner: the script gave token id {token}, outside [0, {self.vocab_size})"
             return RowResult(token_id=self.eos_token_id, error=rec.error)
         lp = None if row.num_logprobs is None else self._logprob(token, index, row.num_logprobs)
         return RowResult(token_id=token, logprob=lp)
+
+    def _masked_choice(self, mask) -> int:
+        self.num_masked_tokens += 1
+        for e in self.eos_token_ids:
+            if _allowed(mask, e):
+                return e
+        words = [int(w) for w in mask.tolist()] if hasattr(mask, "tolist") else [int(w) for w in mask]
+        for w, word in enumerate(words):
+            word &= 0xFFFFFFFF
+            if word:
+                t = 32 * w + ((word & -word).bit_length() - 1)
+                if t < self.vocab_size:
+                    return t
+        return self.eos_token_id  # the engine never sends an all-zero mask
 
     def _logprob(self, token: int, index: int, n: int) -> TokenLogprob:
         # Deterministic, negative, and the chosen token ranks first: enough for the logprob plumbing.

@@ -89,16 +89,26 @@ class StepFunction(nn.Module):
         seeds: torch.Tensor,
         sample_pos: torch.Tensor,
     ):
+        logits = self.logits(input_ids, start_pos, num_new, block_tables, slot_ids)
+        return self.sample_logits(logits, input_ids, start_pos, num_new, block_tables, slot_ids, temperature, top_p,
+                                  top_k, min_p, seeds, sample_pos)
+
+    def logits(self, input_ids, start_pos, num_new, block_tables, slot_ids, *_unused) -> torch.Tensor:
+        """The model forward over the state: each row's last-token logits [B, V]."""
         from trnrt.models.glm5_next.model import ForwardBatch
 
         batch = ForwardBatch(
             input_ids=input_ids, start_pos=start_pos, num_new=num_new, block_tables=block_tables, slot_ids=slot_ids
         )
-        out = self.model(batch, self.state)
+        return self.model(batch, self.state).logits
+
+    def sample_logits(self, logits, input_ids, start_pos, num_new, block_tables, slot_ids, temperature, top_p, top_k,
+                      min_p, seeds, sample_pos):
+        """The sampler of this step's kind over logits [B, V] (variants call it after their processors)."""
         if self.sampling == "greedy":
-            return sample_greedy(out.logits, self.num_top_logprobs)
+            return sample_greedy(logits, self.num_top_logprobs)
         st = SamplingTensors(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seeds=seeds, positions=sample_pos)
-        return sample(out.logits, st, self.num_top_logprobs)
+        return sample(logits, st, self.num_top_logprobs)
 
 
 def example_inputs(spec: GraphSpec, max_blocks_per_seq: int, vocab_size: int, device="cpu") -> tuple[torch.Tensor, ...]:

@@ -9,6 +9,7 @@ from trnrt.serve.output.openai import ChatRenderer, CompletionRenderer
 from trnrt.serve.output.reasoning import ReasoningParser
 from trnrt.serve.output.tool_calls import ToolCallParser
 from trnrt.serve.protocol.chat_template import apply_template_defaults, render_chat
+from trnrt.serve.protocol.structured import gate_after_think
 from trnrt.serve.protocol.openai import (chat_to_engine_requests, completion_to_engine_requests,
                                          engine_field_to_openai, parse_chat, parse_completion)
 
@@ -67,6 +68,9 @@ class ChatCompletions:
         # server strips special tokens afterwards if the client asked for that.
         if use_tools or use_reasoning:
             creq.params.skip_special_tokens = False
+        # a request that reasons is free until </think>; the grammar constrains the answer after it
+        creq.params.grammar = gate_after_think(creq.params.grammar, ti.marker_ids.get("</think>"),
+                                               ti.has_think and creq.enable_thinking)
         greqs = chat_to_engine_requests(creq, prompt.ids, st.context_len, st.engine.model_info.vocab_size)
 
         def choice():  # each choice parses its own output

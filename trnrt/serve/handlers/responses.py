@@ -23,6 +23,7 @@ from trnrt.serve.output.responses import ResponsesRenderer, new_id, openai_error
 from trnrt.serve.output.tool_calls import ToolCallParser
 from trnrt.serve.protocol.chat_template import apply_template_defaults, render_chat
 from trnrt.serve.protocol.openai import chat_to_engine_request
+from trnrt.serve.protocol.structured import gate_after_think
 from trnrt.serve.protocol.responses import STORE_DISABLED_MESSAGE, is_response_id, parse_responses
 
 CANCEL_WAIT_S = 2.0  # how long cancel waits for the aborted request's final object
@@ -120,6 +121,8 @@ class Responses(_Base):
         use_reasoning = st.settings.reasoning_parser is not None and ti.has_think and creq.enable_thinking
         if use_tools or use_reasoning:
             creq.params.skip_special_tokens = False
+        creq.params.grammar = gate_after_think(creq.params.grammar, ti.marker_ids.get("</think>"),
+                                               ti.has_think and creq.enable_thinking)
         convo = history + rreq.input_messages
         prompt, greq = self._render(st, ti, rreq, convo)
 

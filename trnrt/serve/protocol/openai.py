@@ -22,6 +22,7 @@ from trnrt.serve.protocol.fields import read_bool as _bool
 from trnrt.serve.protocol.fields import read_int as _int, read_str as _str, refuse_unserved
 from trnrt.serve.protocol.chat_template import encode_text
 from trnrt.serve.protocol.sampling import OPENAI, check_sampling, read_sampling
+from trnrt.serve.protocol import structured
 
 log = logging.getLogger("trnrt.serve")
 
@@ -67,8 +68,9 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
     refuse_unserved(body, [k for k in NEUTRAL if k in allowed and k not in _SERVED_HERE])
 
 
-# In fields.NEUTRAL for other routes (/tokenize) but served on the OpenAI routes.
-_SERVED_HERE = {"continue_final_message"}
+# In fields.NEUTRAL for other routes (/tokenize) but served on the OpenAI routes (structured
+# outputs: read by protocol/structured.py; the engine refuses them, naming the flag, when off).
+_SERVED_HERE = {"continue_final_message", *structured.OPENAI_FIELDS}
 
 
 # --- parsed requests ----------------------------------------------------------------------------
@@ -275,6 +277,7 @@ def parse_chat(body: dict) -> ChatRequest:
     if top is not None and top > 0 and not logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     common.params.logprobs = (top or 0) if logprobs else None
+    common.params.grammar = structured.read_openai(body, sglang_keys=("regex", "ebnf"))
     return ChatRequest(
         **common.__dict__, messages=norm, tools=tools, tool_choice=tool_choice, template_kwargs=kwargs,
         enable_thinking=thinking,
@@ -422,6 +425,7 @@ def parse_completion(body: dict) -> CompletionRequest:
     if echo and logprobs is not None:
         raise unsupported("logprobs", "with echo needs prompt logprobs, which this server does not serve yet")
     common.params.logprobs = logprobs
+    common.params.grammar = structured.read_openai(body, sglang_keys=("json_schema", "regex", "ebnf"))
     return CompletionRequest(**common.__dict__, prompts=prompts, echo=echo, logprobs=logprobs)
 
 

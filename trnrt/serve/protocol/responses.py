@@ -22,6 +22,7 @@ from trnrt.serve.protocol.fields import check_unicode_tree, is_text
 from trnrt.serve.protocol.fields import read_bool, read_int, read_str
 from trnrt.serve.protocol.openai import REASONING_EFFORTS, ChatRequest, _check_json_schema
 from trnrt.serve.protocol.sampling import OPENAI, check_sampling, read_sampling
+from trnrt.serve.protocol.structured import read_text_format
 
 log = logging.getLogger("trnrt.serve")
 
@@ -175,12 +176,8 @@ def parse_responses(body: dict) -> ResponsesRequest:
         if fmt is not None:
             if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
                 raise bad_request("text.format must be an object with a type", "text.format")
-            if fmt["type"] in ("json_schema", "json_object"):
-                raise unsupported("text.format", f"type {fmt['type']!r} needs structured outputs, which this "
-                                                 "server does not serve yet; use type 'text'")
-            if fmt["type"] != "text":
-                raise bad_request(f"text.format.type must be 'text', 'json_schema' or 'json_object', got "
-                                  f"{safe(repr(fmt['type']))}", "text.format")
+            params.grammar = read_text_format(fmt)
+            text_echo["format"] = fmt
         verbosity = text.get("verbosity")
         if verbosity not in (None, "medium"):
             raise unsupported("text.verbosity", "other than 'medium' is not supported by this server")

@@ -22,6 +22,7 @@ from trnrt.serve.protocol.chat_template import encode_text
 from trnrt.serve.protocol.fields import (NEUTRAL, check_priority, is_int, is_text, read_bool, read_int,
                                          refuse_unserved)
 from trnrt.serve.protocol.sampling import SGLANG, check_sampling, read_sampling
+from trnrt.serve.protocol import structured
 
 log = logging.getLogger("trnrt.serve")
 
@@ -38,7 +39,7 @@ SAMPLING_KEYS = (
 # Served by the engine today; the rest are refused unless neutral (fields.NEUTRAL).
 SERVED_SAMPLING_KEYS = {"max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
                         "min_p", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-                        "sampling_seed", "stream_interval"}
+                        "sampling_seed", "stream_interval", "json_schema", "regex", "ebnf", "structural_tag"}
 _UNSERVED_SAMPLING = [k for k in SAMPLING_KEYS if k not in SERVED_SAMPLING_KEYS]
 
 # Top-level GenerateReqInput fields trnrt serves, and those it knows but refuses unless neutral
@@ -178,6 +179,7 @@ def _read_item_sampling(sp: dict, label: str) -> tuple[SamplingParams, int | Non
 
     refuse_unserved(sp, [k for k in _UNSERVED_SAMPLING if k in NEUTRAL], prefix=label + ".")
     params = read_sampling(sp, spelling, err=err)
+    params.grammar = structured.read_sglang_one(sp, label + ".", err=err)
     given = "max_new_tokens" in sp
     max_new = read_int(sp, "max_new_tokens", None, lo=0, label=label + ".max_new_tokens", err=err)
     if not given:
