@@ -9,7 +9,9 @@
 #   2. runs `trnrt bench serve` against each (after one uncounted warm-up batch of MAX_CONCURRENCY
 #      requests per side), alternating, ROUNDS rounds: streamed
 #      /v1/chat/completions, NUM_PROMPTS requests, MAX_CONCURRENCY in flight, INPUT_LEN-word random
-#      prompts (the same prompts on both sides: same seed), OUTPUT_LEN new tokens, greedy;
+#      prompts (the same prompts on both sides: same seed; a new seed every round and for the
+#      warm-up, so trnrt's prefix cache never serves a prompt it saw before), OUTPUT_LEN new tokens,
+#      greedy;
 #   3. prints each run and the ratios trnrt / transformers: output tok/s (higher is better for
 #      trnrt above 1), and transformers / trnrt for TTFT p50 and ITL p50 (how many times lower
 #      trnrt's are).
@@ -27,7 +29,8 @@
 # when AutoProcessor fails (nothing else changes).
 #
 # Environment: TRNRT_VENV (<repo>/.venv), TF_PYTHON ($TRNRT_VENV/bin/python), NUM_PROMPTS (32),
-# MAX_CONCURRENCY (8), INPUT_LEN (64), OUTPUT_LEN (32), ROUNDS (2), THREADS (1: OMP_NUM_THREADS of
+# MAX_CONCURRENCY (8), INPUT_LEN (64), OUTPUT_LEN (32), ROUNDS (2), TRNRT_ARGS (more `trnrt serve`
+# flags, e.g. "--compiled DIR" or "--disable-compiled-cache"), THREADS (1: OMP_NUM_THREADS of
 # both servers; with 2 threads on a shared 2-core box transformers' steps collapse, see
 # docs/PERFORMANCE.md "Two threads"), KEEP_WORKDIR=1 keeps the logs and JSON results.
 # Exit status: 0 if every run completed every request, 1 otherwise, 2 if a prerequisite is missing.
@@ -106,7 +109,8 @@ echo "load average: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) cores"
 TP=$(free_port); HP=$(free_port)
 while [[ $HP == "$TP" ]]; do HP=$(free_port); done
 T=http://127.0.0.1:$TP; H=http://127.0.0.1:$HP
-OMP_NUM_THREADS=$THREADS "$TRNRT_VENV/bin/trnrt" serve --model "$CKPT" --port "$TP" --drain-timeout 2 >"$WORK/trnrt.log" 2>&1 &
+# shellcheck disable=SC2086  # TRNRT_ARGS: more `trnrt serve` flags, word-split on purpose
+OMP_NUM_THREADS=$THREADS "$TRNRT_VENV/bin/trnrt" serve --model "$CKPT" --port "$TP" --drain-timeout 2 ${TRNRT_ARGS:-} >"$WORK/trnrt.log" 2>&1 &
 PIDS+=($!); TPID=$!
 OMP_NUM_THREADS=$THREADS "$TF_PYTHON" "$WORK/tf_serve.py" --host 127.0.0.1 --port "$HP" --device cpu "$CKPT" >"$WORK/transformers.log" 2>&1 &
 PIDS+=($!); HPID=$!
@@ -114,15 +118,15 @@ wait_health "trnrt serve" "$T" "$TPID" 600 "$WORK/trnrt.log"
 wait_health "transformers serve" "$H" "$HPID" 600 "$WORK/transformers.log"
 
 COMMON=(--num-prompts "$NUM_PROMPTS" --max-concurrency "$MAX_CONCURRENCY" --random-input-len "$INPUT_LEN"
-    --random-output-len "$OUTPUT_LEN" --random-range-ratio 1 --temperature 0 --seed 1
+    --random-output-len "$OUTPUT_LEN" --random-range-ratio 1 --temperature 0
     --endpoint /v1/chat/completions --json --disable-progress)
 TF_BODY=$("$TPY" -c 'import json, sys; n = int(sys.argv[1]); print(json.dumps({"generation_config": json.dumps({"min_new_tokens": n, "max_new_tokens": n, "do_sample": False})}))' "$OUTPUT_LEN")
 FAILED=0
 run() {  # run SIDE ROUND
     local out=$WORK/$1-$2.json cmd
-    if [[ $1 == trnrt ]]; then cmd=("$TRNRT_VENV/bin/trnrt" bench serve --url "$T" "${COMMON[@]}")
+    if [[ $1 == trnrt ]]; then cmd=("$TRNRT_VENV/bin/trnrt" bench serve --url "$T" "${COMMON[@]}" --seed "$2")
     else cmd=("$TRNRT_VENV/bin/trnrt" bench serve --url "$H" --model "$CKPT" --disable-ignore-eos
-              --extra-request-body "$TF_BODY" "${COMMON[@]}"); fi
+              --extra-request-body "$TF_BODY" "${COMMON[@]}" --seed "$2"); fi
     printf '+'; printf ' %q' "${cmd[@]}"; printf '\n'
     "${cmd[@]}" >"$out" 2>"$WORK/$1-$2.err" || { echo "  (exit $?: $(tail -c 300 "$WORK/$1-$2.err"))"; FAILED=1; }
     "$TPY" - "$out" "$NUM_PROMPTS" "$OUTPUT_LEN" <<'EOF' || FAILED=1
@@ -143,7 +147,7 @@ for side in trnrt transformers; do
     url=$T; [[ $side == transformers ]] && url=$H
     extra=(); [[ $side == transformers ]] && extra=(--model "$CKPT" --disable-ignore-eos --extra-request-body "$TF_BODY")
     echo "warm-up: $side"
-    "$TRNRT_VENV/bin/trnrt" bench serve --url "$url" "${extra[@]}" "${COMMON[@]}" --num-prompts "$MAX_CONCURRENCY" \
+    "$TRNRT_VENV/bin/trnrt" bench serve --url "$url" "${extra[@]}" "${COMMON[@]}" --num-prompts "$MAX_CONCURRENCY" --seed 1000 \
         >"$WORK/warmup-$side.json" 2>&1 || echo "  (warm-up exit $?: $(tail -c 300 "$WORK/warmup-$side.json"))"
 done
 for r in $(seq "$ROUNDS"); do
