@@ -84,7 +84,9 @@ class SamplingParams:
         self.stop_regex = list(self.stop_regex or [])
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        """Raise InvalidRequestError naming the field when a value is out of range."""
+        """Raise InvalidRequestError naming the field when a value is out of range. With
+        `vocab_size` (the final check, once max_new_tokens is known) token ids are checked against
+        the vocabulary and min_new_tokens against max_new_tokens."""
         def bad(name: str, msg: str) -> None:
             raise InvalidRequestError(f"{name} {msg}", field=name)
 
@@ -132,7 +134,7 @@ class SamplingParams:
         mn = self.min_new_tokens
         if not isinstance(mn, int) or isinstance(mn, bool) or mn < 0:
             bad("min_new_tokens", f"must be a non-negative integer, got {mn!r}")
-        if mn > self.max_new_tokens:
+        if vocab_size is not None and mn > self.max_new_tokens:  # the final check: max_new_tokens is known
             bad("min_new_tokens", f"({mn}) must not exceed max_new_tokens ({self.max_new_tokens})")
         mt = self.max_thinking_tokens
         if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 0):
