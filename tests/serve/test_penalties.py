@@ -200,7 +200,7 @@ def test_thinking_budget_gives_exactly_n_reasoning_tokens(scripted_pen, budget):
     assert d["choices"][0]["token_ids"].index(srv.think_end) == len(srv.reasoning)
     # Messages: thinking.budget_tokens (>= 1 there)
     if budget:
-        s, d = _post(srv, "/v1/messages", {"model": "m", "max_tokens": 20, "messages": msgs,
+        s, d = _post(srv, "/v1/messages", {"model": "trnrt-tiny", "max_tokens": 20, "messages": msgs,
                                            "thinking": {"type": "enabled", "budget_tokens": budget}})
         assert s == 200, d
         thinking = [b for b in d["content"] if b["type"] == "thinking"]
