@@ -53,11 +53,37 @@ def test_graph_ids_round_trip_and_bad_ids_are_refused():
             spec_from_id(bad)
 
 
-def test_known_flag_without_variant_is_refused():
-    cfg = load_preset("default")
-    for flags in (["penalties"], ["penalties", "structured_outputs"]):
-        with pytest.raises(UnknownVariantError, match="no variant graph is defined for --penalties"):
-            expand(cfg, flags)
+def test_penalties_variant_and_the_superset_of_both_flags():
+    """--penalties: one variant per base spec (decode and prefill) taking logit_scale and
+    logit_bias [B, V] fp32 (neutral 1 and 0); with --structured-outputs too, one superset variant
+    (not one per flag) whose inputs are the penalties' then the bitmask (chain order). The base
+    list never changes."""
+    from trnrt.compile.catalogue import get_variant
+
+    cfg = load_preset("batch8")
+    base = expand(cfg)
+    for flags, name in ((["penalties"], "penalties"),
+                        (["structured_outputs", "penalties"], "penalties+structured_outputs")):
+        specs = expand(cfg, flags)
+        assert [s for s in specs if s.variant == "base"] == base
+        variants = [s for s in specs if s.variant != "base"]
+        assert {s.variant for s in variants} == {name} and len(variants) == len(base)
+    vd = get_variant("penalties")
+    assert vd.extra_input_names == ("logit_scale", "logit_bias") and vd.phases == ("decode", "prefill")
+    spec = [s for s in expand(cfg, ["penalties"]) if s.variant == "penalties"][0]
+    scale, bias = vd.example_extra_inputs(spec, cfg, 4096, "cpu")
+    assert scale.shape == bias.shape == (spec.batch, 4096) and str(scale.dtype) == "torch.float32"
+    assert bool((scale == 1).all()) and bool((bias == 0).all())
+    assert get_variant("penalties+structured_outputs").extra_input_names == ("logit_scale", "logit_bias",
+                                                                            "token_bitmask")
+
+
+def test_known_flag_without_variant_is_refused(monkeypatch):
+    from trnrt.engine import logits_processors as lp
+
+    monkeypatch.delitem(lp._PROCESSORS, "penalties")
+    with pytest.raises(UnknownVariantError, match="no variant graph is defined for --penalties"):
+        expand(load_preset("default"), ["penalties"])
 
 
 def test_structured_outputs_variant_doubles_decode_and_prefill_only():

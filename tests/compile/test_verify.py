@@ -59,10 +59,19 @@ def test_changed_op_fails_with_op_delta(monkeypatch):
     assert "first difference at node" in r.output and "models/glm5_next/model.py:" in r.output
 
 
-def test_known_flag_without_variant_is_a_usage_error():
+def test_known_flag_without_variant_is_a_usage_error(monkeypatch):
+    from trnrt.engine import logits_processors as lp
+
+    monkeypatch.delitem(lp._PROCESSORS, "penalties")
     r = verify("--penalties")
     assert r.exit_code == 2
     assert "no variant graph is defined for --penalties" in r.output
+
+
+def test_penalties_flag_keeps_base_hashes():
+    """--penalties (and with --structured-outputs): the base graph hashes as in the flag-off lock."""
+    r = verify("--penalties", "--structured-outputs")
+    assert r.exit_code == 0, r.output
 
 
 def test_flag_on_keeps_base_hashes(monkeypatch):

@@ -226,7 +226,7 @@ SAMPLING_OPENAI = [
 ]
 NEUTRAL_COMMON = [
     ("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1), ("logit_bias", {}),
-    ("min_tokens", 0), ("return_hidden_states", False), ("thinking_token_budget", -1),
+    ("min_tokens", 0), ("return_hidden_states", False),
 ]
 NEVER_COMMON = ["regex", "ebnf", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                 "guided_grammar", "prompt_logprobs", "lora_path", "custom_logit_processor", "custom_params"]
@@ -235,6 +235,8 @@ NEVER_COMMON = ["regex", "ebnf", "structured_outputs", "guided_json", "guided_re
 def neutral_fields(pairs, never, extra_neutral=()) -> list[Field]:
     out = [fld(k, neutral(v), extra=[("neutral", v, "2xx")]) for k, v in list(pairs) + list(extra_neutral)]
     out += [fld(k, only_null) for k in never]
+    # served with every flag off (host-only): -1 unlimited, N >= 0 a budget
+    out.append(fld("thinking_token_budget", int_in(-1), numeric=True))
     out.append(fld("stop_regex", stop_regex_ok,
                    extra=[("empty-list", [], "2xx"), ("empty-string", "", "2xx"), ("pattern", "a+", "2xx"),
                           ("backref", r"(a)\1", "4xx"), ("33", ["a"] * 33, "4xx")]))
@@ -384,12 +386,13 @@ GENERATE_TOP = [
     fld("cache_salt", is_str, text=True),
     fld("model", is_str, text=True, extra=[("other", "gpt-9", "2xx")]),  # SGLang's /generate ignores it
     fld("priority", strict_int_in(-(2**63), 2**63 - 1), numeric=True),
+    fld("max_thinking_tokens", strict_int_in(0), numeric=True),
     *[fld(k, strict_neutral(*w)) for k, w in [
         ("input_embeds", ()), ("image_data", ([],)), ("video_data", ([],)), ("audio_data", ([],)),
         ("modalities", ([], ["text"])), ("return_hidden_states", (False,)),
         ("custom_logit_processor", ()), ("lora_path", ()), ("lora_id", ()), ("session_params", ()), ("session_id", ()),
         ("routed_dp_rank", (0,)), ("data_parallel_rank", (0,)), ("require_reasoning", (False,)),
-        ("max_thinking_tokens", ()), ("return_entropy", (False,)), ("return_routed_experts", (False,)),
+        ("return_entropy", (False,)), ("return_routed_experts", (False,)),
         ("bootstrap_host", ()), ("bootstrap_port", ()), ("bootstrap_room", ())]],
 ]
 # SGLang's pydantic fields take 2.0 for an int (lax mode), as the OpenAI routes do.

@@ -23,7 +23,12 @@ match of any stop string or pattern ends the request; the text is cut at the mat
 up to its end with include_stop_str_in_output) and `matched_stop` is the pattern string.
 Emitted text is final: a match never starts before the first unemitted character, so a streamed
 client never receives text that a later match removes, and streamed and non-streamed requests
-get the same text (the same code runs for both). A pattern whose matches are at most
+get the same text (the same code runs for both).
+
+`min_tokens` (vLLM's min_tokens / SGLang's min_new_tokens): the text of the first min_tokens
+tokens is protected. No stop string or regex match may start inside it (a match must start at
+or after the end of that text), it is never held back as a possible stop prefix, and it is
+released as soon as it is decoded. A stop string straddling the boundary does not stop. A pattern whose matches are at most
 REGEX_HOLD_CHARS + 1 characters long is always found where it starts; a longer match is found
 only from where the held-back text begins (`a+b` after 100 `a`s stops, keeping the `a`s already
 emitted). The text searched per token is therefore bounded (held-back tail + the token's text),
@@ -59,6 +64,7 @@ class IncrementalDetokenizer:
             window (for a request whose text nobody reads before the end: not streamed, no stop
             strings). Two decodes per token in the engine thread (~8 us a row of a batch-8 step)
             become one per request. Not with stop strings or regexes, which need the text as it grows.
+        min_tokens: the text of the first this many tokens cannot hold a stop (module docstring).
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class IncrementalDetokenizer:
         stop_regex: Iterable[Any] = (),
         include_stop_str_in_output: bool = False,
         deferred: bool = False,
+        min_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -94,6 +101,9 @@ class IncrementalDetokenizer:
         self._text = ""
         self._num_emitted = 0
         self.matched_stop: str | None = None
+        self.min_tokens = min_tokens
+        self._num_tokens = 0  # output tokens appended
+        self._protected = 0  # characters of the first min_tokens tokens' text (no stop starts there)
 
     @property
     def is_stopped(self) -> bool:
@@ -129,6 +139,10 @@ class IncrementalDetokenizer:
             return ""
         for t in new_token_ids:
             self._append_token(t)
+            self._num_tokens += 1
+            if self._num_tokens <= self.min_tokens:
+                self._protected = len(self._text)
+                continue  # no stop can start in the protected text
             if self._check_stop():
                 break
         return self._release()
@@ -166,7 +180,7 @@ class IncrementalDetokenizer:
             return False
         # NOTE: a match starts in the unemitted text: before this step the text from its start
         # was a proper prefix of the stop string, and such a tail is always held back.
-        start = self._num_emitted
+        start = max(self._num_emitted, self._protected)
         best: tuple[int, int, str] | None = None
         for s in self.stop:
             i = self._text.find(s, start)
@@ -194,12 +208,14 @@ class IncrementalDetokenizer:
         if self.is_stopped:
             return self._emit_upto(len(self._text))
         # the regex hold-back may exceed the text: never a negative end (a slice from the back)
-        return self._emit_upto(max(self._num_emitted, len(self._text) - max(self._stop_prefix_len(), self._regex_hold)))
+        # protected text is final: never held back
+        end = max(self._protected, len(self._text) - max(self._stop_prefix_len(), self._regex_hold))
+        return self._emit_upto(max(self._num_emitted, min(end, len(self._text))))
 
     def _stop_prefix_len(self) -> int:
         """Length of the longest unemitted tail of the text that is a proper prefix of a stop string."""
         text = self._text
-        for n in range(min(self._max_stop_len - 1, len(text) - self._num_emitted), 0, -1):
+        for n in range(min(self._max_stop_len - 1, len(text) - max(self._num_emitted, self._protected)), 0, -1):
             tail = text[-n:]
             if any(s.startswith(tail) for s in self.stop):
                 return n

@@ -39,7 +39,7 @@ from trnrt.engine.client import (
 )
 from trnrt.engine.detokenizer import IncrementalDetokenizer
 from trnrt.engine.messages import AbortMatchingMsg, AbortMsg, FlushCacheMsg, LoadQueryMsg, Reply, SubmitMsg
-from trnrt.engine.outputs import RequestOutput, RowInput, RunnerOutput, SchedulerOutput
+from trnrt.engine.outputs import RequestOutput, RowInput, RunnerOutput, SchedulerOutput, TokenLogprob
 from trnrt.engine.request import FinishReason, GenerateRequest, InvalidRequestError
 from trnrt.engine.scheduler import Scheduler, SchedulerConfig
 from trnrt.engine.sequence import SequenceStatus
@@ -67,11 +67,35 @@ STRUCTURED_OUTPUTS = "structured_outputs"  # the feature flag (and variant) of g
 STRUCTURED_OUTPUTS_OFF_MESSAGE = "{param} needs structured outputs: start the server with --structured-outputs"
 
 
+PENALTIES = "penalties"  # the feature flag (and variant) of penalties, logit_bias and min_tokens
+PENALTIES_OFF_MESSAGE = "{param} needs penalties: start the server with --penalties"
+
+
+def with_flag(ecfg: EngineConfig, flag: str, on: bool) -> EngineConfig:
+    """`ecfg` with the variant flag `flag` added (on) or left as it is."""
+    if not on or flag in ecfg.variants:
+        return ecfg
+    return ecfg.replace(variants=tuple(sorted({*ecfg.variants, flag})))
+
+
 def with_structured_outputs(ecfg: EngineConfig, on: bool) -> EngineConfig:
     """`ecfg` with the structured_outputs variant flag added (on) or left as it is."""
-    if not on or STRUCTURED_OUTPUTS in ecfg.variants:
-        return ecfg
-    return ecfg.replace(variants=tuple(sorted({*ecfg.variants, STRUCTURED_OUTPUTS})))
+    return with_flag(ecfg, STRUCTURED_OUTPUTS, on)
+
+
+def special_token_id(tokenizer, text: str) -> int | None:
+    """The id of a single (special) token spelled `text` in the tokenizer, or None."""
+    for name in ("token_to_id", "convert_tokens_to_ids"):
+        fn = getattr(tokenizer, name, None)
+        if fn is not None:
+            try:
+                i = fn(text)
+            except Exception:
+                continue
+            unk = getattr(tokenizer, "unk_token_id", None)
+            if isinstance(i, int) and i >= 0 and (i != unk or unk is None):
+                return i
+    return None
 
 
 class EngineDeadError(RuntimeError):
@@ -275,6 +299,13 @@ class Engine:
         # compiler (used on submitting threads) and each live request's matcher (engine thread).
         self.grammar_service = self._build_grammar_service(grammar_cache_mb)
         self._grammars: dict = {}
+        # Penalties (engine_config.variants holds "penalties") and thinking budgets (host-only):
+        # each live request's PenaltyState / ThinkingBudget (engine thread).
+        self.penalties = PENALTIES in engine_config.variants
+        self._penalties: dict = {}
+        self._thinking: dict = {}
+        self._think_ids = (special_token_id(tokenizer, "<think>"), special_token_id(tokenizer, "</think>"))
+        self.num_forced_think_ends = 0
         self._cache_poisoned = False  # a prefix-cache copy failed this step
         self._gen_rate = _TokenRate(_GEN_THROUGHPUT_WINDOW_S)
         self._load = EngineLoad()
@@ -356,12 +387,14 @@ class Engine:
         stream_interval: int = 1,
         prefix_cache_config: "PrefixCacheConfig | None" = None,
         structured_outputs: bool = False,
+        penalties: bool = False,
     ) -> "Engine":
         """Load the checkpoint (None: the embedded tiny model) and start the engine thread.
 
         structured_outputs: serve grammars (xgrammar; `trnrt serve --structured-outputs`): the
         engine config gets the "structured_outputs" variant flag, so compiled artifacts must
-        hold its variant graphs.
+        hold its variant graphs. penalties: serve repetition/frequency/presence penalties,
+        logit_bias and min_tokens (`trnrt serve --penalties`; the "penalties" variant graphs).
 
         `preset`, `max_running_requests` and `context_length`: see `resolve_configs`.
 
@@ -386,7 +419,7 @@ class Engine:
         ecfg, scfg = resolve_configs(engine_config, preset=preset, scheduler_config=scheduler_config,
                                      max_running_requests=max_running_requests, context_length=context_length,
                                      compiled=compiled_loader is not None)
-        ecfg = with_structured_outputs(ecfg, structured_outputs)
+        ecfg = with_flag(with_structured_outputs(ecfg, structured_outputs), PENALTIES, penalties)
         dtype = getattr(torch, ecfg.dtype)
         model = load_model(path, dtype=dtype, device=device)
         mcfg = model.config
@@ -440,6 +473,7 @@ class Engine:
         prefix_cache_config: "PrefixCacheConfig | None" = None,
         scheduler_config: SchedulerConfig | None = None,
         structured_outputs: bool = False,
+        penalties: bool = False,
     ) -> "Engine":
         """An Engine whose runner replays `script(prompt_ids)` (trnrt.engine.scripted_runner)
         instead of running a model: everything else (scheduler, stop checks, detokenizer, streams,
@@ -460,7 +494,7 @@ class Engine:
                                      context_length=max_model_len, scheduler_config=scheduler_config)
         if num_blocks is not None:
             ecfg = ecfg.replace(num_blocks=num_blocks)
-        ecfg = with_structured_outputs(ecfg, structured_outputs)
+        ecfg = with_flag(with_structured_outputs(ecfg, structured_outputs), PENALTIES, penalties)
         if max_num_batched_tokens is not None:
             scfg = dataclasses.replace(scfg, max_num_batched_tokens=max_num_batched_tokens)
         if eos_token_ids is None:
@@ -527,6 +561,8 @@ class Engine:
         request.sampling_params.validate(vocab_size=vocab)
         self.scheduler.validate_request(request)  # reads only immutable config
         self._prepare_grammar(request)
+        self._prepare_penalties(request)
+        self._prepare_thinking(request)
         if request.sampling_params.seed is None:
             # Unseeded requests still get a per-request seed: the in-graph sampler keys its noise
             # on (seed, position), so even random sampling is independent of batch composition.
@@ -545,6 +581,35 @@ class Engine:
         if self.grammar_service is None:
             raise InvalidRequestError(STRUCTURED_OUTPUTS_OFF_MESSAGE.format(param=spec.param), field=spec.param)
         request.grammar_state = self.grammar_service.new_state(spec)
+
+    def _prepare_penalties(self, request: GenerateRequest) -> None:
+        """Caller's thread: the request's PenaltyState (its prompt counted once, here). A penalty on
+        an engine without the penalties variant is an InvalidRequestError naming the field and
+        the flag."""
+        sp = request.sampling_params
+        name = sp.penalty_field()
+        request.penalty_state = None
+        if name is None:
+            return
+        if not self.penalties:
+            raise InvalidRequestError(PENALTIES_OFF_MESSAGE.format(param=name), field=name)
+        from trnrt.engine.penalties import PenaltyState
+
+        request.penalty_state = PenaltyState.from_params(sp, request.prompt_token_ids, self.model_info.eos_token_ids)
+
+    def _prepare_thinking(self, request: GenerateRequest) -> None:
+        """Caller's thread: the request's ThinkingBudget when it sets max_thinking_tokens."""
+        budget = request.sampling_params.max_thinking_tokens
+        request.thinking_state = None
+        if budget is None:
+            return
+        start_id, end_id = self._think_ids
+        if end_id is None:
+            raise InvalidRequestError("max_thinking_tokens needs a model whose tokenizer has a </think> token",
+                                      field="max_thinking_tokens")
+        from trnrt.engine.thinking_budget import ThinkingBudget
+
+        request.thinking_state = ThinkingBudget(budget, start_id, end_id, request.prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         """Abort one request by id (queued or running; a no-op otherwise). Asynchronous."""
@@ -811,11 +876,18 @@ class Engine:
         if request.grammar_state is not None:
             self._grammars[rid] = request.grammar_state
             request.grammar_state = None  # the engine thread owns it now
+        if request.penalty_state is not None:
+            self._penalties[rid] = request.penalty_state
+            request.penalty_state = None
+        if request.thinking_state is not None:
+            self._thinking[rid] = request.thinking_state
+            request.thinking_state = None
         self._detoks[rid] = IncrementalDetokenizer(
             self._decoder, request.prompt_token_ids, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
             stop_regex=sp.stop_regex, include_stop_str_in_output=sp.include_stop_str_in_output,
             # nobody reads a non-streamed request's text before it ends: decode it once, at the end
             deferred=not request.stream and not any(sp.stop) and not sp.stop_regex,
+            min_tokens=sp.min_new_tokens,
         )
 
     def _finish_stream(self, rid: str, stream: OutputStream, output: RequestOutput) -> None:
@@ -831,6 +903,8 @@ class Engine:
 
     def _release_runner(self, rid: str) -> None:
         self._grammars.pop(rid, None)
+        self._penalties.pop(rid, None)
+        self._thinking.pop(rid, None)
         release = getattr(self.runner, "release", None)
         if release is not None:
             release([rid])
@@ -971,6 +1045,7 @@ class Engine:
                 temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, seed=sp.seed or 0,
                 num_logprobs=sp.logprobs, request_id=s.request_id, do_sample=s.do_sample,
                 token_bitmask=self._grammar_mask(s.request_id) if s.do_sample and self._grammars else None,
+                penalties=self._penalties.get(s.request_id) if s.do_sample and self._penalties else None,
             ))
         try:
             results = self.runner.execute(rows)
@@ -990,7 +1065,24 @@ class Engine:
                   if getattr(r, "error", None) is not None}
         sampled = [r.token_id if s.do_sample else None for s, r in zip(sched_out.scheduled, results)]
         logprobs = [r.logprob if s.do_sample else None for s, r in zip(sched_out.scheduled, results)]
+        if self._thinking:
+            self._force_think_ends(sched_out.scheduled, sampled, logprobs)
         return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, failed=failed)
+
+    def _force_think_ends(self, scheduled, sampled: list, logprobs: list) -> None:
+        """Thinking budgets: a row whose request spent its budget while reasoning gets `</think>`
+        instead of the sampled token, with logprob 0.0 (a point mass; see thinking_budget)."""
+        for i, s in enumerate(scheduled):
+            state = self._thinking.get(s.request_id)
+            if state is None or sampled[i] is None:
+                continue
+            forced = state.forced_token()
+            if forced is None:
+                continue
+            self.num_forced_think_ends += 1
+            sampled[i] = forced
+            if logprobs[i] is not None:
+                logprobs[i] = TokenLogprob(token_id=forced, logprob=0.0, top=[(forced, 0.0)])
 
     def _grammar_mask(self, rid: str):
         """The packed next-token mask of a request with a grammar (None: none, or not applying yet)."""
@@ -1010,6 +1102,15 @@ class Engine:
                 return FinishReason("stop")
         state.next_mask()
         return FinishReason("stop") if state.dead else None
+
+    def _advance_states(self, rid: str, token_ids: list[int]) -> None:
+        """Count a request's new tokens in its penalty state and thinking budget."""
+        p = self._penalties.get(rid)
+        if p is not None:
+            p.add(token_ids)
+        t = self._thinking.get(rid)
+        if t is not None:
+            t.advance(token_ids)
 
     def _apply_cache_ops(self, ops) -> bool:
         """Run the prefix cache's state copies on the runner. False (logged) if they failed."""
@@ -1038,6 +1139,8 @@ class Engine:
                 rid, new_text=text, finished=True, finish_reason=FinishReason("abort", message=u.error),
                 error=u.error, num_prompt_tokens=u.seq.num_prompt_tokens, num_output_tokens=u.seq.num_output_tokens))
             return
+        if self._penalties or self._thinking:
+            self._advance_states(rid, u.new_token_ids)
         text = detok.step(u.new_token_ids, exclude_last=is_token_stop(u.finish_reason))
         reason = StopChecker.merge(u.finish_reason, detok.matched_stop)
         if reason is None and self._grammars:

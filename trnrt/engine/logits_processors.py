@@ -94,6 +94,56 @@ class TokenBitmaskProcessor:
                 buf[i] = v  # [W] int32 (numpy, torch or list)
 
 
+class PenaltiesProcessor:
+    """penalties: repetition (a factor per token), frequency/presence, logit_bias and the
+    min_new_tokens stop-id ban, as two dense per-row inputs (trnrt.engine.penalties fills them):
+
+        logits = where(logits > 0, logits / logit_scale, logits * logit_scale) + logit_bias
+
+    logit_scale [B, V] fp32 (neutral 1) and logit_bias [B, V] fp32 (neutral 0, -inf bans a token).
+    With neutral inputs the result is the logits bit for bit (x / 1, x * 1, + 0). Dense inputs need
+    no bound on the number of distinct tokens (no --penalty-buckets); the host writes only the
+    entries a row uses and resets only the ones it wrote the step before.
+    """
+
+    flag = "penalties"
+    phases = ("decode", "prefill")  # the prefill graph samples a prompt's first token
+    order = 50  # before the grammar mask (100): a mask must see the final logits
+    input_names = ("logit_scale", "logit_bias")
+
+    def __init__(self):
+        # per host buffer (id of its scale array): {row: index arrays written} to reset next pack
+        self._written: dict[int, dict[int, tuple]] = {}
+
+    def example_inputs(self, batch: int, vocab_size: int, device) -> tuple[torch.Tensor, ...]:
+        return (torch.ones((batch, vocab_size), dtype=torch.float32, device=device),
+                torch.zeros((batch, vocab_size), dtype=torch.float32, device=device))
+
+    def apply(self, logits: torch.Tensor, logit_scale: torch.Tensor, logit_bias: torch.Tensor) -> torch.Tensor:
+        # repetition first (vLLM's order: it sees the model's logits), then the additive terms
+        scaled = torch.where(logits > 0, logits / logit_scale, logits * logit_scale)  # [B, V]
+        return scaled + logit_bias  # [B, V]
+
+    def row_value(self, row):
+        state = row.penalties
+        return state if state is not None and state.active else None
+
+    def host_buffers(self, batch: int, vocab_size: int) -> tuple[np.ndarray, ...]:
+        return (np.ones((batch, vocab_size), np.float32), np.zeros((batch, vocab_size), np.float32))
+
+    def pack(self, buffers, values: list) -> None:
+        scale, bias = buffers
+        written = self._written.setdefault(id(scale), {})
+        for i, (scale_ids, *bias_ids) in written.items():  # only what the previous step wrote
+            scale[i, scale_ids] = 1.0
+            for ids in bias_ids:
+                bias[i, ids] = 0.0
+        written.clear()
+        for i, v in enumerate(values):
+            if v is not None:
+                written[i] = v.fill(scale[i], bias[i])
+
+
 _PROCESSORS: dict[str, LogitsProcessor] = {}
 
 
@@ -116,3 +166,4 @@ def registered_flags() -> tuple[str, ...]:
 
 
 register_processor(TokenBitmaskProcessor())
+register_processor(PenaltiesProcessor())

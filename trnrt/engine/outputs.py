@@ -75,6 +75,8 @@ class RowInput:
     # Logits-processor inputs (trnrt.engine.logits_processors); None = neutral (the row samples as
     # in the base graph). A batch where every row is neutral runs in the base graph.
     token_bitmask: Any = None  # structured outputs: [ceil(V/32)] int32, xgrammar's packed mask
+    # penalties: the request's trnrt.engine.penalties.PenaltyState (fills the dense scale/bias rows)
+    penalties: Any = None
 
 
 @dataclass

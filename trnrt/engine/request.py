@@ -50,8 +50,29 @@ class SamplingParams:
     # Structured output (trnrt.engine.grammar_spec.GrammarSpec); None: unconstrained. Needs an
     # engine started with structured outputs (the "structured_outputs" variant graphs).
     grammar: object = None
+    # Penalties (SGLang's / vLLM's definitions; trnrt.engine.penalties). Any non-neutral value, a
+    # logit_bias or min_new_tokens > 0 needs an engine started with penalties (the "penalties"
+    # variant graphs). repetition_penalty counts prompt and output tokens, frequency/presence
+    # output tokens only (vLLM).
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict | None = None  # {token_id (int): bias in [-100, 100]}, added to the logits
+    # EOS (unless ignore_eos) and stop_token_ids are banned, and stop strings / regexes cannot
+    # match in the text of the first min_new_tokens tokens (vLLM's min_tokens).
+    min_new_tokens: int = 0
+    # After this many reasoning tokens (output tokens inside a think block the prompt opens) the
+    # engine emits `</think>` instead of the sampled token (vLLM's thinking_token_budget, SGLang's
+    # max_thinking_tokens). None: unlimited. Host-only: no graph needed.
+    max_thinking_tokens: int | None = None
 
     MAX_TOP_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
+    MAX_PENALTY = 2.0  # frequency/presence in [-2, 2]; repetition in (0, 2] (SGLang's ranges)
+
+    # the fields that need the penalties variant, with their neutral value
+    PENALTY_FIELDS = (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                      ("logit_bias", None), ("min_new_tokens", 0))
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,7 +84,9 @@ class SamplingParams:
         self.stop_regex = list(self.stop_regex or [])
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        """Raise InvalidRequestError naming the field when a value is out of range."""
+        """Raise InvalidRequestError naming the field when a value is out of range. With
+        `vocab_size` (the final check, once max_new_tokens is known) token ids are checked against
+        the vocabulary and min_new_tokens against max_new_tokens."""
         def bad(name: str, msg: str) -> None:
             raise InvalidRequestError(f"{name} {msg}", field=name)
 
@@ -91,10 +114,43 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad("stop_token_ids", f"contains an invalid token id {t!r}")
+        num = (int, float)
+        rp = self.repetition_penalty
+        if not isinstance(rp, num) or isinstance(rp, bool) or not (0.0 < rp <= self.MAX_PENALTY):
+            bad("repetition_penalty", f"must be in (0, {self.MAX_PENALTY:g}], got {rp!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, num) or isinstance(v, bool) or not (-self.MAX_PENALTY <= v <= self.MAX_PENALTY):
+                bad(name, f"must be in [-{self.MAX_PENALTY:g}, {self.MAX_PENALTY:g}], got {v!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "must map token ids to biases")
+            for t, v in self.logit_bias.items():
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                    bad("logit_bias", f"holds token id {t!r}, outside the vocabulary [0, {vocab_size})")
+                if not isinstance(v, num) or isinstance(v, bool) or not (-self.MAX_LOGIT_BIAS <= v <= self.MAX_LOGIT_BIAS):
+                    bad("logit_bias", f"bias of token {t} must be in [-{self.MAX_LOGIT_BIAS:g}, "
+                                      f"{self.MAX_LOGIT_BIAS:g}], got {v!r}")
+        mn = self.min_new_tokens
+        if not isinstance(mn, int) or isinstance(mn, bool) or mn < 0:
+            bad("min_new_tokens", f"must be a non-negative integer, got {mn!r}")
+        if vocab_size is not None and mn > self.max_new_tokens:  # the final check: max_new_tokens is known
+            bad("min_new_tokens", f"({mn}) must not exceed max_new_tokens ({self.max_new_tokens})")
+        mt = self.max_thinking_tokens
+        if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 0):
+            bad("max_thinking_tokens", f"must be a non-negative integer, got {mt!r}")
         if self.logprobs is not None:
             if not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not (0 <= self.logprobs <= self.MAX_TOP_LOGPROBS):
                 bad("logprobs", f"must be an integer in [0, {self.MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         return self
+
+    def penalty_field(self) -> str | None:
+        """The first field that needs the penalties variant (a non-neutral value), or None."""
+        for name, neutral in self.PENALTY_FIELDS:
+            v = getattr(self, name)
+            if v != neutral and not (name == "logit_bias" and not v):
+                return name
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -164,6 +220,10 @@ class GenerateRequest:
     # Set by Engine.submit when sampling_params.grammar is set: the request's compiled grammar
     # and matcher (trnrt.engine.grammar.GrammarState), handed to the engine thread with the request.
     grammar_state: object = field(default=None, repr=False, compare=False)
+    # Set by Engine.submit, handed to the engine thread like grammar_state: the request's
+    # PenaltyState (trnrt.engine.penalties) and ThinkingBudget (trnrt.engine.thinking_budget).
+    penalty_state: object = field(default=None, repr=False, compare=False)
+    thinking_state: object = field(default=None, repr=False, compare=False)
 
 
 def check_context_length(

@@ -6,6 +6,10 @@ this order (length first, as SGLang's `check_finished` and vLLM's `check_stop` d
 2. `max_model_len` reached (prompt+out)  -> FinishReason("length")
 3. token in `stop_token_ids`             -> FinishReason("stop", matched=token_id)
 4. token in the model's EOS ids          -> FinishReason("stop", matched=token_id), unless ignore_eos
+Before `min_new_tokens` output tokens, 3 and 4 do not apply (vLLM's min_tokens; the penalties
+variant bans those ids on the device meanwhile, so this guard matters only for a runner that
+does not apply the ban, such as the scripted one). Stop strings and regexes cannot match in the
+text of the first min_new_tokens tokens either (IncrementalDetokenizer's `min_tokens`).
 
 NOTE: `ignore_eos` ignores only the model's EOS ids; a request's explicit `stop_token_ids` still
 stop it (vLLM's semantics; SGLang's `_check_token_based_finish` returns early under ignore_eos and
@@ -56,6 +60,8 @@ class StopChecker:
             return FinishReason("length")
         if self.max_model_len is not None and seq.num_tokens >= self.max_model_len:
             return FinishReason("length")
+        if seq.num_output_tokens < params.min_new_tokens:
+            return None
         token = seq.output_token_ids[-1]
         if token in params.stop_token_ids:
             return FinishReason("stop", matched=token)

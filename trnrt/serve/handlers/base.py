@@ -141,7 +141,10 @@ def submit(st: ServeState, reqs: list[GenerateRequest], field_name: Callable[[st
         if own:
             admission.release()
         if isinstance(e, InvalidRequestError):
-            raise err(str(e), field_name(e.field))
+            name, msg = field_name(e.field), str(e)
+            if e.field and name and msg.startswith(e.field + " "):  # the message names it as the client did
+                msg = name + msg[len(e.field):]
+            raise err(msg, name)
         if isinstance(e, Exception) and not isinstance(e, APIError):
             # engine stopped or broken: not the client's fault, not a 500 either
             log.warning("engine refused request %s: %s", reqs[0].request_id if reqs else "-", e)

@@ -295,12 +295,9 @@ def _thinking(v, kwargs: dict, max_tokens: int | None) -> str | None:
         if v.get("budget_tokens") is None:
             raise bad_request("thinking.budget_tokens: Field required", "thinking.budget_tokens")
         budget = read_int(v, "budget_tokens", None, lo=1, label="thinking.budget_tokens")
-        if max_tokens is not None and budget < max_tokens:
-            # Thinking counts toward max_tokens, so a budget >= max_tokens can never bind.
-            raise unsupported("thinking.budget_tokens",
-                              f"({budget}) is below max_tokens ({max_tokens}): a binding thinking budget is not "
-                              "supported by this server yet; send budget_tokens >= max_tokens or thinking "
-                              "{'type': 'adaptive'}")
+        # served: after budget_tokens reasoning tokens the engine forces </think> (Anthropic's own
+        # floor of 1024 and "< max_tokens" are not enforced; a budget >= max_tokens never binds)
+        kwargs["_thinking_budget"] = budget
     display = read_str(v, "display", None, label="thinking.display")
     if display is not None and display not in THINKING_DISPLAYS:
         raise bad_request(f"thinking.display must be one of {', '.join(THINKING_DISPLAYS)}", "thinking.display")
@@ -366,6 +363,7 @@ def _parse(body: dict, *, count: bool) -> MessagesRequest:
     tool_choice, single_call = _tool_choice(body.get("tool_choice"), tools)
     kwargs: dict = {}
     display = _thinking(body.get("thinking"), kwargs, max_tokens)
+    params.max_thinking_tokens = kwargs.pop("_thinking_budget", None)
     _output_config(body.get("output_config"), kwargs)
     prefill = messages[-1]["role"] == "assistant"  # a prefill: the answer continues it
     if prefill:
@@ -390,7 +388,8 @@ def parse_count_tokens(body: dict) -> MessagesRequest:
 
 def engine_field_to_anthropic(name: str | None) -> str | None:
     """SamplingParams / GenerateRequest names back to this API's spelling, for error messages."""
-    return {"max_new_tokens": "max_tokens", "prompt_token_ids": "messages", "stop": "stop_sequences"}.get(
+    return {"max_new_tokens": "max_tokens", "prompt_token_ids": "messages", "stop": "stop_sequences",
+            "max_thinking_tokens": "thinking.budget_tokens"}.get(
         name or "", name)
 
 

@@ -132,6 +132,30 @@ def read_id_list(body: dict, name: str, *, label: str | None = None, err: ErrorF
     return list(v)
 
 
+def read_logit_bias(body: dict, name: str, *, label: str | None = None,
+                    err: ErrorFactory = bad_request) -> dict[int, float] | None:
+    """OpenAI's / SGLang's logit_bias: an object mapping token ids (decimal strings, as JSON keys
+    are) to finite numbers; None when absent or empty. The range ([-100, 100]) and the vocabulary
+    are checked by SamplingParams.validate."""
+    label = label or name
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise err(f"{label} must be an object mapping token ids to biases", label)
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        key = k.strip() if isinstance(k, str) else k
+        if isinstance(key, str) and key.lstrip("-").isdigit() and key.isascii():
+            key = int(key)
+        if not is_int(key):
+            raise err(f"{label} keys must be token ids (integers), got {str(k)[:40]!r}", label)
+        if not is_num(b):
+            raise err(f"{label} values must be finite numbers, got {b!r} for token {key}", label)
+        out[key] = float(b)
+    return out or None
+
+
 PRIORITY_MIN, PRIORITY_MAX = -(2 ** 63), 2 ** 63 - 1  # SGLang's priorities are C longs at most
 
 

@@ -70,7 +70,8 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
 
 # In fields.NEUTRAL for other routes (/tokenize) but served on the OpenAI routes (structured
 # outputs: read by protocol/structured.py; the engine refuses them, naming the flag, when off).
-_SERVED_HERE = {"continue_final_message", *structured.OPENAI_FIELDS}
+_SERVED_HERE = {"continue_final_message", *structured.OPENAI_FIELDS, "frequency_penalty", "presence_penalty",
+                "repetition_penalty", "logit_bias", "min_tokens", "thinking_token_budget"}
 
 
 # --- parsed requests ----------------------------------------------------------------------------
@@ -139,6 +140,9 @@ def _common(body: dict, max_tokens: int | None) -> tuple[CommonRequest, dict]:
     # max_new_tokens is set once the prompt length is known; the ranges are checked here (before
     # any tokenization) and again with the vocabulary once the request is built.
     params = check_sampling(read_sampling(body, OPENAI), None, OPENAI)
+    # vLLM's thinking_token_budget: -1 (the default) is unlimited; applied when the request reasons
+    budget = _int(body, "thinking_token_budget", -1, -1)
+    params.max_thinking_tokens = None if budget < 0 else budget
     rid = _str(body, "rid", None)
     rid = _str(body, "request_id", None) if rid is None else rid
     if rid is not None and not rid:
@@ -431,7 +435,8 @@ def parse_completion(body: dict) -> CompletionRequest:
 
 def engine_field_to_openai(name: str | None, prompt_param: str = "prompt") -> str | None:
     """SamplingParams / GenerateRequest names back to the request's spelling, for error messages."""
-    return {"max_new_tokens": "max_tokens", "prompt_token_ids": prompt_param}.get(name or "", name)
+    return {"max_new_tokens": "max_tokens", "prompt_token_ids": prompt_param, "min_new_tokens": "min_tokens",
+            "max_thinking_tokens": "thinking_token_budget"}.get(name or "", name)
 
 
 # --- to the engine ------------------------------------------------------------------------------

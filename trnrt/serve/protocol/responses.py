@@ -33,7 +33,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound for the Responses API
 INCLUDE_VALUES = ("reasoning.encrypted_content", "message.output_text.logprobs", "message.input_image.image_url",
                   "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
                   "computer_call_output.output.image_url", "code_interpreter_call.outputs")
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "repetition_penalty")
 # Accepted and ignored (clients and agents send them; a 400 would break them).
 IGNORED_FIELDS = {"no_logs", "max_tool_calls", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
                   "service_tier", "stream_options", "image", "moderation", "access_programs"}
@@ -138,7 +138,8 @@ def parse_responses(body: dict) -> ResponsesRequest:
         raise bad_request(f"truncation must be 'auto' or 'disabled', got {safe(repr(truncation))}", "truncation")
     parallel = read_bool(body, "parallel_tool_calls", True)
 
-    # Sampling: the Responses fields plus vLLM's extras (top_k, min_p, seed, stop), read as chat reads them.
+    # Sampling: the Responses fields plus vLLM's extras (top_k, min_p, seed, stop, repetition_penalty),
+    # read as chat reads them.
     params: SamplingParams = check_sampling(read_sampling({k: body.get(k) for k in SAMPLING_KEYS if k in body},
                                                           OPENAI), None, OPENAI)
     include = body.get("include")

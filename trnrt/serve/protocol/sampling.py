@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from trnrt.engine.request import InvalidRequestError, SamplingParams
 from trnrt.engine.stop import MAX_STOP_REGEX, compile_stop_regex
 from trnrt.serve.http.errors import bad_request
-from trnrt.serve.protocol.fields import (ErrorFactory, is_text, read_bool, read_id_list, read_int, read_num,
-                                         read_str_list)
+from trnrt.serve.protocol.fields import (ErrorFactory, is_text, read_bool, read_id_list, read_int,
+                                         read_logit_bias, read_num, read_str_list)
 
 MAX_STOP_STRINGS = 32  # SGLang's limit
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1  # vLLM's seed range (a signed 64-bit integer)
@@ -36,7 +36,7 @@ class Spelling:
         return self.prefix + self.key(engine_name)
 
 
-OPENAI = Spelling({"max_new_tokens": "max_tokens", "seed": "seed"},
+OPENAI = Spelling({"max_new_tokens": "max_tokens", "seed": "seed", "min_new_tokens": "min_tokens"},
                   keep_stop_keys=("include_stop_str_in_output", "no_stop_trim"))  # vLLM's and SGLang's
 # SGLang's sampling_params object (error labels name the nesting).
 SGLANG = Spelling({"max_new_tokens": "max_new_tokens", "seed": "sampling_seed"}, prefix="sampling_params.")
@@ -45,7 +45,8 @@ SGLANG = Spelling({"max_new_tokens": "max_new_tokens", "seed": "sampling_seed"},
 def read_sampling(body: dict, spelling: Spelling, *, err: ErrorFactory = bad_request,
                   max_new_tokens: int = 0) -> SamplingParams:
     """Read temperature, top_p, top_k, min_p, seed, stop, stop_regex, stop_token_ids, ignore_eos,
-    skip_special_tokens, spaces_between_special_tokens and the keep-stop flags from `body` (type
+    skip_special_tokens, spaces_between_special_tokens, the keep-stop flags, the penalties
+    (repetition/frequency/presence), logit_bias and min_new_tokens from `body` (type
     checks; stop_regex patterns are compiled here, once, so a bad one is a 400 before any work);
     the caller sets max_new_tokens and logprobs, then calls `check_sampling`."""
     def lab(n: str) -> str:
@@ -75,6 +76,11 @@ def read_sampling(body: dict, spelling: Spelling, *, err: ErrorFactory = bad_req
         ignore_eos=read_bool(body, k("ignore_eos"), False, label=lab("ignore_eos"), err=err),
         skip_special_tokens=read_bool(body, k("skip_special_tokens"), True, label=lab("skip_special_tokens"),
                                       err=err),
+        repetition_penalty=read_num(body, k("repetition_penalty"), 1.0, label=lab("repetition_penalty"), err=err),
+        frequency_penalty=read_num(body, k("frequency_penalty"), 0.0, label=lab("frequency_penalty"), err=err),
+        presence_penalty=read_num(body, k("presence_penalty"), 0.0, label=lab("presence_penalty"), err=err),
+        logit_bias=read_logit_bias(body, k("logit_bias"), label=lab("logit_bias"), err=err),
+        min_new_tokens=read_int(body, k("min_new_tokens"), 0, label=lab("min_new_tokens"), err=err),
     )
 
 

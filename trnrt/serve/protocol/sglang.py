@@ -39,14 +39,17 @@ SAMPLING_KEYS = (
 # Served by the engine today; the rest are refused unless neutral (fields.NEUTRAL).
 SERVED_SAMPLING_KEYS = {"max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
                         "min_p", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-                        "sampling_seed", "stream_interval", "json_schema", "regex", "ebnf", "structural_tag"}
+                        "sampling_seed", "stream_interval", "json_schema", "regex", "ebnf", "structural_tag",
+                        "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
+                        "min_new_tokens"}
 _UNSERVED_SAMPLING = [k for k in SAMPLING_KEYS if k not in SERVED_SAMPLING_KEYS]
 
 # Top-level GenerateReqInput fields trnrt serves, and those it knows but refuses unless neutral
 # (value -> neutral test). Anything else at the top level is ignored with a warning.
 _TOP_SERVED = {"text", "input_ids", "sampling_params", "rid", "stream", "return_logprob", "logprob_start_len",
                "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "return_prompt_token_ids",
-               "log_metrics", "extra_key", "cache_salt", "model", "priority", "routing_key", "no_logs"}
+               "log_metrics", "extra_key", "cache_salt", "model", "priority", "routing_key", "no_logs",
+               "max_thinking_tokens"}
 # routing_key (SGLang): the router's session-affinity key; one engine has nothing to route, so it
 # is accepted (type-checked) and has no effect here.
 
@@ -70,7 +73,6 @@ _TOP_REFUSED = {
     "routed_dp_rank": _none_or(0),
     "data_parallel_rank": _none_or(0),
     "require_reasoning": _none_or(False),
-    "max_thinking_tokens": _none_or(),
     "return_entropy": _none_or(False),
     "return_routed_experts": _none_or(False),
     "bootstrap_host": _none_or(),
@@ -78,7 +80,6 @@ _TOP_REFUSED = {
     "bootstrap_room": _none_or(),
 }
 _WHY = {
-    "max_thinking_tokens": "requires the server to be launched with --enable-strict-thinking (not served yet)",
     "logprob_start_len": "needs prompt logprobs, which this server does not serve yet (only -1)",
     "token_ids_logprob": "needs per-token-id logprobs, which this server does not serve yet",
 }
@@ -296,10 +297,14 @@ def parse_generate(body: dict) -> GenerateRequestIn:
     if model is not None and not (isinstance(model, str) and is_text(model)):
         raise contract_error("invalid type for model: expected a string", "model")
 
+    # SGLang's max_thinking_tokens (served without --enable-strict-thinking: the engine forces
+    # </think> itself); null: unlimited
+    think_budget = read_int(body, "max_thinking_tokens", None, lo=0, err=contract_error)
     items = []
     for i in range(n):
         params, max_new, given, si = _read_item_sampling(sps[i], "sampling_params")
         params.logprobs = top_n[i] if return_lp[i] else None
+        params.max_thinking_tokens = think_budget
         items.append(GenerateItem(text=texts[i] if texts is not None else None,
                                   input_ids=id_lists[i] if id_lists is not None else None,
                                   params=params, max_new_tokens=max_new, max_new_tokens_given=given,
@@ -390,7 +395,8 @@ def engine_field_to_sglang(name: str | None, greq: GenerateRequestIn) -> str | N
         return "input_ids" if greq.items[0].input_ids is not None else "text"
     if name == "rid":
         return "rid"
-    if name in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "stop_regex"):
+    if name in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "stop_regex",
+                "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_new_tokens"):
         return "sampling_params." + name
     if name == "seed":
         return "sampling_params.sampling_seed"
