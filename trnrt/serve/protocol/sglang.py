@@ -299,7 +299,10 @@ def parse_generate(body: dict) -> GenerateRequestIn:
 
     # SGLang's max_thinking_tokens (served without --enable-strict-thinking: the engine forces
     # </think> itself); null: unlimited
-    think_budget = read_int(body, "max_thinking_tokens", None, lo=0, err=contract_error)
+    think_budget = body.get("max_thinking_tokens")
+    if think_budget is not None and (not is_int(think_budget) or think_budget < 0):
+        # SGLang's top-level ints are strict (2.0 is not one), as for priority
+        raise contract_error(f"max_thinking_tokens must be an integer >= 0, got {think_budget!r}", "max_thinking_tokens")
     items = []
     for i in range(n):
         params, max_new, given, si = _read_item_sampling(sps[i], "sampling_params")

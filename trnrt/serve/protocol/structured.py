@@ -135,6 +135,8 @@ def _vllm_structured(so: Any, err: ErrorFactory) -> list[GrammarSpec]:
             out.append(GrammarSpec("ebnf", _str_value(v, lab, err), lab))
         else:
             out.append(GrammarSpec("structural_tag", _tag_text(v, lab, err), lab))
+    if not out:  # vLLM refuses a structured_outputs that constrains nothing, as here
+        raise err(f"{label} must set one of {', '.join(_VLLM_SO_KEYS)}", label)
     return out
 
 
