@@ -398,9 +398,9 @@ BAD = [  # (id, path, body, status, error type, a text the message must hold)
      "messages"),
     ("count-unknown-model", "/v1/messages/count_tokens", {"model": "m2", "messages": U}, 404, "not_found_error",
      "m2"),
-    ("count-tool-choice-any", "/v1/messages/count_tokens",
-     {"model": MODEL, "messages": U, "tools": TOOLS, "tool_choice": {"type": "any"}}, 400,
-     "invalid_request_error", "tool_choice"),
+    ("count-tool-choice-unknown-tool", "/v1/messages/count_tokens",
+     {"model": MODEL, "messages": U, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, 400,
+     "invalid_request_error", "tool_choice.name"),
     ("batches", "/v1/messages/batches", {"requests": []}, 404, "not_found_error", "/v1/messages/batches"),
 ]
 

@@ -254,8 +254,8 @@ BAD = [
     ("tool-description-lone-surrogate", TOK, json.dumps({"messages": MSGS, "tools": [{"type": "function", "function": {
         "name": "f", "description": "SURROGATE"}}]}).replace("SURROGATE", "\\udc80"), 400, "tools"),
     ("tools-not-list", TOK, {"messages": MSGS, "tools": {"a": 1}}, 400, "tools"),
-    ("tool-choice-required", TOK, {"messages": MSGS, "tools": TOOLS, "tool_choice": "required"}, 400,
-     "tool_choice"),
+    ("tool-choice-unknown-name", TOK, {"messages": MSGS, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, 400, "tool_choice.function.name"),
     ("template-kwargs-list", TOK, {"messages": MSGS, "chat_template_kwargs": [1]}, 400, "chat_template_kwargs"),
     ("template-kwargs-reserved", TOK, {"messages": MSGS, "chat_template_kwargs": {"tokenize": True}}, 400,
      "chat_template_kwargs"),

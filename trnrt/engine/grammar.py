@@ -13,6 +13,10 @@
 GLM's added tokens are ordinary tokens to xgrammar (they would be allowed inside JSON strings);
 the compiler's vocabulary blanks every special added token except the stop ids, so a constrained
 output never holds `<|user|>`, `<tool_call>`, `</think>`, ... (reference: structured_outputs.md §1).
+Tool-call grammars (kind "tool_call": tool_choice "required" / a named tool,
+trnrt.engine.tool_call_grammar) compile against a second vocabulary that keeps the tool-call and
+think tags as ordinary tokens, so the grammar can demand those special ids (`TokenFormat`); its
+free regions exclude the tags' texts instead.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ import json
 import logging
 import re
 import threading
+from collections import OrderedDict
 
 from trnrt.engine.grammar_spec import GrammarSpec
 from trnrt.engine.request import InvalidRequestError
+from trnrt.engine.tool_call_grammar import GRAMMAR_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -74,20 +80,32 @@ class GrammarCompilerService:
         self.vocab_size = int(vocab_size)
         self.stop_token_ids = [int(t) for t in stop_token_ids]
         self.tokenizer_info = self._tokenizer_info(tokenizer)
+        tool_mb = max(1, int(cache_mb) // 4)  # the tool-call grammars' share (below)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=True,
-                                            cache_limit_bytes=int(cache_mb) << 20)
+                                            cache_limit_bytes=max(1, int(cache_mb) - tool_mb) << 20)
+        # tool_choice grammars: the tags they name stay ordinary tokens. xgrammar's own cache is
+        # off for them: 0.2.8 shares a cached `any_text` sub-rule between grammars whose texts end
+        # on different tokens (after a tool grammar's `<arg_value>` text, another grammar's
+        # reasoning then ends on `</arg_value>` instead of `</think>`); whole grammars are cached
+        # here instead, by their exact text (a quarter of the cache budget).
+        self.tool_tokenizer_info = self._tokenizer_info(tokenizer, keep=GRAMMAR_TOKENS)
+        self.tool_compiler = xgr.GrammarCompiler(self.tool_tokenizer_info, max_threads=max_threads,
+                                                 cache_enabled=False)
+        self._tool_cache: OrderedDict[str, tuple] = OrderedDict()  # text -> (CompiledGrammar, bytes)
+        self._tool_cache_bytes = 0
+        self._tool_cache_limit = tool_mb << 20
         self._lock = threading.Lock()
         self.num_compiles = 0
 
-    def _tokenizer_info(self, tokenizer):
-        """from_huggingface's vocabulary, with GLM's special added tokens (all but the stop ids)
-        blanked so that no grammar allows them."""
+    def _tokenizer_info(self, tokenizer, keep=()):
+        """from_huggingface's vocabulary, with GLM's special added tokens (all but the stop ids
+        and the texts in `keep`) blanked so that no grammar allows them."""
         xgr = self.xgr
         base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                   stop_token_ids=self.stop_token_ids)
         special = set()
         for tid, tok in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items():
-            if getattr(tok, "special", False) and int(tid) not in self.stop_token_ids:
+            if getattr(tok, "special", False) and int(tid) not in self.stop_token_ids and tok.content not in keep:
                 special.add(int(tid))
         if not special:
             return base
@@ -118,6 +136,8 @@ class GrammarCompilerService:
                 out = c.compile_grammar(spec.value)
             elif spec.kind == "choice":
                 out = c.compile_grammar(choice_grammar(json.loads(spec.value)))
+            elif spec.kind == "tool_call":
+                out = self._compile_tool_call(spec.value)
             else:  # structural_tag
                 out = c.compile_structural_tag(spec.value)
         except (RuntimeError, ValueError, TypeError) as e:
@@ -126,6 +146,24 @@ class GrammarCompilerService:
             raise InvalidRequestError(f"{spec.param}: {clean_error(e)}", field=spec.param) from None
         with self._lock:
             self.num_compiles += 1
+        return out
+
+    def _compile_tool_call(self, text: str):
+        """A tool-call structural tag, through the exact-text LRU cache (see __init__)."""
+        with self._lock:
+            hit = self._tool_cache.get(text)
+            if hit is not None:
+                self._tool_cache.move_to_end(text)
+                return hit[0]
+        out = self.tool_compiler.compile_structural_tag(text)
+        size = int(getattr(out, "memory_size_bytes", 0) or 0) + len(text)
+        with self._lock:
+            if text not in self._tool_cache and size <= self._tool_cache_limit:
+                self._tool_cache[text] = (out, size)
+                self._tool_cache_bytes += size
+                while self._tool_cache_bytes > self._tool_cache_limit:
+                    _, (_, old_size) = self._tool_cache.popitem(last=False)
+                    self._tool_cache_bytes -= old_size
         return out
 
     def new_state(self, spec: GrammarSpec) -> "GrammarState":

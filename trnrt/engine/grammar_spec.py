@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag")
+# "tool_call": tool_choice "required" / a named tool, a structural tag built by
+# trnrt.engine.tool_call_grammar (compiled against the vocabulary that keeps the tag tokens).
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag", "tool_call")
 
 
 @dataclass(frozen=True)
@@ -18,7 +20,8 @@ class GrammarSpec:
     """One constraint on a request's output.
 
     kind: one of GRAMMAR_KINDS. value: the grammar text (a JSON schema / structural tag as
-    canonical JSON text, a regex, an EBNF grammar; "choice" holds a JSON list of strings).
+    canonical JSON text, a regex, an EBNF grammar; "choice" holds a JSON list of strings;
+    "tool_call" a structural tag as JSON text).
     param: the request field it came from, in the client's spelling (a grammar error is a 400
     naming it). after_token: when set (the id of `</think>` for a request that reasons), the
     grammar applies to the tokens after the first such token; before it the output is free.

@@ -20,6 +20,7 @@ from trnrt.serve.output.anthropic import MessagesRenderer
 from trnrt.serve.output.assembler import TokenCounter
 from trnrt.serve.output.reasoning import ReasoningParser
 from trnrt.serve.output.tool_calls import ToolCallParser
+from trnrt.serve.protocol.tool_choice import forced_call_grammar
 from trnrt.serve.protocol.anthropic import (engine_field_to_anthropic, messages_to_engine_request,
                                             parse_count_tokens, parse_messages)
 from trnrt.serve.protocol.chat_template import apply_template_defaults, render_chat
@@ -78,6 +79,9 @@ class Messages(_AnthropicRoute):
             # strips special-token text afterwards.
             if use_tools or use_reasoning:
                 mreq.params.skip_special_tokens = False
+            # tool_choice any / tool: the GLM tool-call grammar (its own reasoning prefix)
+            mreq.params.grammar = forced_call_grammar(mreq, reasoning=prompt.forced_reasoning,
+                                                      tool_parser=s.tool_call_parser)
             greq = messages_to_engine_request(mreq, prompt.ids, st.context_len, st.engine.model_info.vocab_size)
             reasoning = (ReasoningParser(forced=prompt.forced_reasoning,
                                          tool_start="<tool_call>" if use_tools else None) if use_reasoning else None)

@@ -10,6 +10,7 @@ from trnrt.serve.output.reasoning import ReasoningParser
 from trnrt.serve.output.tool_calls import ToolCallParser
 from trnrt.serve.protocol.chat_template import apply_template_defaults, render_chat
 from trnrt.serve.protocol.structured import gate_after_think
+from trnrt.serve.protocol.tool_choice import forced_call_grammar
 from trnrt.serve.protocol.openai import (chat_to_engine_requests, completion_to_engine_requests,
                                          engine_field_to_openai, parse_chat, parse_completion)
 
@@ -71,6 +72,9 @@ class ChatCompletions:
         # a request that reasons is free until </think>; the grammar constrains the answer after it
         creq.params.grammar = gate_after_think(creq.params.grammar, ti.marker_ids.get("</think>"),
                                                ti.has_think and creq.enable_thinking)
+        # tool_choice required / named: the GLM tool-call grammar (its own reasoning prefix)
+        creq.params.grammar = forced_call_grammar(creq, reasoning=prompt.forced_reasoning,
+                                                  tool_parser=st.settings.tool_call_parser)
         greqs = chat_to_engine_requests(creq, prompt.ids, st.context_len, st.engine.model_info.vocab_size)
 
         def choice():  # each choice parses its own output

@@ -24,6 +24,7 @@ from trnrt.serve.output.tool_calls import ToolCallParser
 from trnrt.serve.protocol.chat_template import apply_template_defaults, render_chat
 from trnrt.serve.protocol.openai import chat_to_engine_request
 from trnrt.serve.protocol.structured import gate_after_think
+from trnrt.serve.protocol.tool_choice import forced_call_grammar
 from trnrt.serve.protocol.responses import STORE_DISABLED_MESSAGE, is_response_id, parse_responses
 
 CANCEL_WAIT_S = 2.0  # how long cancel waits for the aborted request's final object
@@ -125,6 +126,9 @@ class Responses(_Base):
                                                ti.has_think and creq.enable_thinking)
         convo = history + rreq.input_messages
         prompt, greq = self._render(st, ti, rreq, convo)
+        # tool_choice required / named: the GLM tool-call grammar (its own reasoning prefix)
+        greq.sampling_params.grammar = forced_call_grammar(creq, reasoning=prompt.forced_reasoning,
+                                                           tool_parser=st.settings.tool_call_parser)
 
         response_id = new_id("resp_")
         reasoning = (ReasoningParser(forced=prompt.forced_reasoning, tool_start="<tool_call>" if use_tools else None)

@@ -26,6 +26,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from trnrt.engine.tool_call_grammar import is_raw_string
+
 TOOL_START = "<tool_call>"
 TOOL_END = "</tool_call>"
 ARG_KEY = "<arg_key>"
@@ -47,20 +49,9 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def _schema_type(schema: dict | None):
-    if not isinstance(schema, dict):
-        return None
-    t = schema.get("type")
-    if t is None and "enum" in schema and schema["enum"] and all(isinstance(v, str) for v in schema["enum"]):
-        return "string"
-    return t
-
-
 def convert_value(raw: str, schema: dict | None):
     """Type one `<arg_value>` by the property's JSON schema (see the module docstring)."""
-    t = _schema_type(schema)
-    types = [x for x in (t if isinstance(t, list) else [t]) if x != "null"]
-    if types and all(x == "string" for x in types):
+    if is_raw_string(schema):
         return raw
     text = raw.strip()
     try:

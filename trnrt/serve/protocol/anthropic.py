@@ -24,6 +24,7 @@ from trnrt.serve.protocol.fields import check_unicode_tree, is_text
 from trnrt.serve.protocol.fields import read_bool, read_int, read_num, read_str
 from trnrt.serve.protocol.openai import ChatRequest, _check_json_schema, context_check
 from trnrt.serve.protocol.sampling import MAX_STOP_STRINGS, Spelling, check_sampling, read_sampling
+from trnrt.serve.protocol.tool_choice import check_named, read_anthropic as read_anthropic_tool_choice
 
 log = logging.getLogger("trnrt.serve")
 
@@ -261,21 +262,26 @@ def _tools(v) -> list[dict] | None:
     return out or None
 
 
-def _tool_choice(v, tools) -> tuple[str, bool]:
-    """(the chat route's tool_choice, whether only the first call is returned)."""
+def _tool_choice(v, tools) -> tuple[str, str | None, bool]:
+    """(the chat route's tool_choice, the named tool, whether only one call is made / returned).
+    any -> "required", tool -> "required" with its name (a grammar enforces both)."""
     if v is None:
-        return ("auto" if tools else "none"), False
+        return ("auto" if tools else "none"), None, False
     if not isinstance(v, dict):
         raise bad_request("tool_choice must be an object with a type (auto, any, tool or none)", "tool_choice")
     t = v.get("type")
-    if t in ("any", "tool"):
-        raise unsupported("tool_choice", f"{{'type': {t!r}}} {_NEEDS_GRAMMAR}; use auto or none")
-    if t not in ("auto", "none"):
+    if t not in ("auto", "none", "any", "tool"):
         raise bad_request(f"tool_choice.type must be one of auto, any, tool, none, got {safe(repr(t))}",
                           "tool_choice")
     single = read_bool(v, "disable_parallel_tool_use", False, label="tool_choice.disable_parallel_tool_use")
+    if t in ("any", "tool"):
+        if not tools:
+            raise bad_request(f"tool_choice.type {t!r} needs tools", "tool_choice")
+        mode, name = read_anthropic_tool_choice(v)
+        check_named(tools, name, "tool_choice.name")
+        return mode, name, single or name is not None
     # none: the tools are left out of the prompt (as the chat route's tool_choice "none").
-    return ("auto" if (t == "auto" and tools) else "none"), single
+    return ("auto" if (t == "auto" and tools) else "none"), None, single
 
 
 def _thinking(v, kwargs: dict, max_tokens: int | None) -> str | None:
@@ -360,7 +366,7 @@ def _parse(body: dict, *, count: bool) -> MessagesRequest:
 
     messages = _messages(body.get("messages"), _system(body.get("system")))
     tools = _tools(body.get("tools"))
-    tool_choice, single_call = _tool_choice(body.get("tool_choice"), tools)
+    tool_choice, tool_name, single_call = _tool_choice(body.get("tool_choice"), tools)
     kwargs: dict = {}
     display = _thinking(body.get("thinking"), kwargs, max_tokens)
     params.max_thinking_tokens = kwargs.pop("_thinking_budget", None)
@@ -373,7 +379,8 @@ def _parse(body: dict, *, count: bool) -> MessagesRequest:
                            add_generation_prompt=not prefill,
                            messages=messages, tools=tools, tool_choice=tool_choice, template_kwargs=kwargs,
                            enable_thinking=kwargs.get("enable_thinking", True), thinking_display=display,
-                           stop_sequences=list(params.stop), single_tool_call=single_call)
+                           stop_sequences=list(params.stop), single_tool_call=single_call,
+                           tool_name=tool_name, parallel_tool_calls=not single_call)
 
 
 def parse_messages(body: dict) -> MessagesRequest:

@@ -23,6 +23,7 @@ from trnrt.serve.protocol.fields import read_int as _int, read_str as _str, refu
 from trnrt.serve.protocol.chat_template import encode_text
 from trnrt.serve.protocol.sampling import OPENAI, check_sampling, read_sampling
 from trnrt.serve.protocol import structured
+from trnrt.serve.protocol.tool_choice import FORCED as FORCED_TOOL, check_named, read_openai as read_tool_choice
 
 log = logging.getLogger("trnrt.serve")
 
@@ -70,8 +71,8 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
 
 # In fields.NEUTRAL for other routes (/tokenize) but served on the OpenAI routes (structured
 # outputs: read by protocol/structured.py; the engine refuses them, naming the flag, when off).
-_SERVED_HERE = {"continue_final_message", *structured.OPENAI_FIELDS, "frequency_penalty", "presence_penalty",
-                "repetition_penalty", "logit_bias", "min_tokens", "thinking_token_budget"}
+_SERVED_HERE = {"continue_final_message", "parallel_tool_calls", *structured.OPENAI_FIELDS, "frequency_penalty",
+                "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens", "thinking_token_budget"}
 
 
 # --- parsed requests ----------------------------------------------------------------------------
@@ -98,7 +99,9 @@ class CommonRequest:
 class ChatRequest(CommonRequest):
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] | None = None
-    tool_choice: str = "none"
+    tool_choice: str = "none"  # none | auto | required (protocol/tool_choice.py: also a named tool)
+    tool_name: str | None = None  # the named tool of a forced call (tool_choice "required" + name)
+    parallel_tool_calls: bool = True  # a forced "required" call may be several
     template_kwargs: dict = field(default_factory=dict)
     enable_thinking: bool = True
     separate_reasoning: bool = True
@@ -213,15 +216,17 @@ def parse_chat(body: dict) -> ChatRequest:
         check_unicode_tree(tools, "tools")
         if not tools:
             tools = None
-    tool_choice = body.get("tool_choice")
+    tool_choice, tool_name = read_tool_choice(body.get("tool_choice"))
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
-    elif isinstance(tool_choice, dict) or tool_choice == "required":
-        raise unsupported("tool_choice", "'required' or a named function is not supported by this server yet; "
-                                         "use 'auto' or 'none'")
-    elif tool_choice not in ("auto", "none"):
-        raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}",
-                          "tool_choice")
+    if tool_choice == FORCED_TOOL and not tools:
+        raise bad_request("tool_choice 'required' or a named function needs tools", "tool_choice")
+    check_named(tools, tool_name, "tool_choice.function.name")
+    parallel = _bool(body, "parallel_tool_calls", True)
+    if not parallel and tool_choice != FORCED_TOOL:
+        # only a forced call is enforced by a grammar; 'auto' would need truncating the output
+        raise bad_request("parallel_tool_calls false is served with tool_choice 'required' or a named "
+                          "function", "parallel_tool_calls")
 
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
@@ -284,7 +289,7 @@ def parse_chat(body: dict) -> ChatRequest:
     common.params.grammar = structured.read_openai(body, sglang_keys=("regex", "ebnf"))
     return ChatRequest(
         **common.__dict__, messages=norm, tools=tools, tool_choice=tool_choice, template_kwargs=kwargs,
-        enable_thinking=thinking,
+        enable_thinking=thinking, tool_name=tool_name, parallel_tool_calls=parallel,
         separate_reasoning=_bool(body, "separate_reasoning", True),
         stream_reasoning=_bool(body, "stream_reasoning", True),
         want_logprobs=logprobs,

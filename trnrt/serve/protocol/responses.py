@@ -23,6 +23,7 @@ from trnrt.serve.protocol.fields import read_bool, read_int, read_str
 from trnrt.serve.protocol.openai import REASONING_EFFORTS, ChatRequest, _check_json_schema
 from trnrt.serve.protocol.sampling import OPENAI, check_sampling, read_sampling
 from trnrt.serve.protocol.structured import read_text_format
+from trnrt.serve.protocol.tool_choice import FORCED as FORCED_TOOL, check_named, read_openai as read_tool_choice
 
 log = logging.getLogger("trnrt.serve")
 
@@ -56,7 +57,7 @@ class ResponsesRequest:
     input_messages: list[dict]
     instructions: str | None = None
     tools_echo: list[dict] = field(default_factory=list)
-    tool_choice_echo: str = "auto"
+    tool_choice_echo: str | dict = "auto"
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = None
     reasoning_echo: dict | None = None
@@ -187,14 +188,15 @@ def parse_responses(body: dict) -> ResponsesRequest:
 
     tools_chat, tools_echo = _tools(body.get("tools"))
     tool_choice = body.get("tool_choice")
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
+        raise unsupported("tool_choice", "allowed_tools is not served; use 'auto', 'none', 'required' or a "
+                                         "named function")
+    mode, tool_name = read_tool_choice(tool_choice)
     if tool_choice is None:
         tool_choice = "auto"
-    elif isinstance(tool_choice, dict) or tool_choice == "required":
-        raise unsupported("tool_choice", "'required', a named function or allowed_tools needs structured outputs, "
-                                         "which this server does not serve yet; use 'auto' or 'none'")
-    elif tool_choice not in ("auto", "none"):
-        raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or a tool object, got "
-                          f"{safe(repr(tool_choice))}", "tool_choice")
+    if mode == FORCED_TOOL and not tools_chat:
+        raise bad_request("tool_choice 'required' or a named function needs tools", "tool_choice")
+    check_named(tools_chat, tool_name, "tool_choice.name")
 
     instructions = body.get("instructions")
     if instructions is not None:
@@ -203,7 +205,8 @@ def parse_responses(body: dict) -> ResponsesRequest:
 
     chat = ChatRequest(model=model, stream=stream, include_usage=True, max_tokens=max_output, params=params,
                        max_tokens_param="max_output_tokens", messages=messages,
-                       tools=tools_chat or None, tool_choice=tool_choice if tools_chat else "none",
+                       tools=tools_chat or None, tool_choice=(mode or "auto") if tools_chat else "none",
+                       tool_name=tool_name, parallel_tool_calls=parallel,
                        template_kwargs=kwargs, enable_thinking=kwargs.get("enable_thinking", True),
                        want_logprobs=want_lp, user_skip_special_tokens=True)
     return ResponsesRequest(
