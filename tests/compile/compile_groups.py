@@ -1,41 +1,169 @@
-"""Which graphs the compile tests compile (see conftest.py), by TRNRT_TEST_COMPILE:
+"""Which graphs the compile tests compile, and how they split into parallel jobs (see conftest.py).
 
-- "buckets" (default, CI): every bucket of `default` and `batch8` (each decode batch x context
-  and each prefill token bucket) with the full sampler, plus batch8's short-context greedy graph
-  (the greedy sampler, what `trnrt bench` runs): 11 graphs, 10 compiles (batch8's full-table
-  decode-b8 graph is default's, copied). The other greedy twins differ from a checked graph only
-  in the sampler; graph-equiv pins their hashes. A fresh-clone `.ci/run` with it: 8 min 50 s on
-  2 cores (measured; it took 16 min while every xdist worker compiled its own copy, see conftest).
-- "every": all 16 graphs (14 compiles).
+Everything is derived from the catalogue (`trnrt.compile.catalogue.expand`) of PRESETS, once per
+flag set of FLAG_SETS, so a new bucket, preset setting or variant is picked up without editing
+this file. By TRNRT_TEST_COMPILE:
+
+- "buckets" (default, CI): every bucket of every preset (decode batch x context, prefill tokens x
+  context) with the full sampler and the base variant, plus ONE graph of every other kind (a
+  kind: phase x variant x sampler, e.g. greedy decode, a variant's decode or prefill): the first
+  of that kind in REPRESENTATIVE's catalogue (batch8's short-context greedy decode is what
+  `trnrt bench` runs). The other twins differ from a checked graph only in the sampler or the
+  variant; graph-equiv pins their hashes.
+- "every": every graph of every preset and flag set.
 - "subset": three of batch8's graphs (FAST_SUBSET), for a quick local run.
+
+Graphs whose hashes are equal in the presets' lock files (the same graph in two presets) are one
+compile: they go to the same job, the first preset's is compiled and `trnrt compile` copies it
+for the later presets under the same --out. Jobs are balanced by an estimated cost: the graph's
+node count in its lock file (Inductor's time is about proportional to it; a graph not in a lock
+yet counts as the largest graph of its phase).
 """
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import dataclass
+from functools import lru_cache
 
 MODE = os.environ.get("TRNRT_TEST_COMPILE", "buckets")
 if MODE not in ("buckets", "every", "subset"):
     raise ValueError(f"TRNRT_TEST_COMPILE must be buckets, every or subset, got {MODE!r}")
 SUBSET = MODE == "subset"
 
+PRESETS = ("default", "batch8")
+# Flag sets compiled, each in its own artifact directory (a manifest holds one flag set). The
+# base graphs of a flagged catalogue are the unflagged ones, so a flagged set adds only its variant
+# graphs: one per kind in "buckets". Add e.g. ("structured_outputs",) to compile its variants.
+FLAG_SETS: tuple[tuple[str, ...], ...] = ((),)
+REPRESENTATIVE = "batch8"
+JOBS = 2  # parallel `trnrt compile` processes (CI has 2 cores)
+
 # The full sampler over the full block table, the greedy sampler over the short one (what a greedy
 # batch of short sequences runs, e.g. `trnrt bench`), and the smallest prefill graph.
 FAST_SUBSET = {"batch8": ["decode-b8-t1-base", "decode-b8-t1-c128-base-greedy", "prefill-b1-t32-base"]}
 
 
-def _full_sampler_plus(ids: list[str], keep_greedy: set[str]) -> list[str]:
-    return [g for g in ids if not g.endswith("-greedy") or g in keep_greedy or MODE == "every"]
+@dataclass(frozen=True)
+class Graph:
+    preset: str
+    flags: tuple[str, ...]
+    id: str
+    kind: tuple[str, str, str]  # (phase, variant, sampling)
+    lock_hash: str | None  # tiny-dims hash in the preset's lock (None: not in the lock)
+    cost: int  # estimated compile cost (graph nodes)
+
+    @property
+    def key(self) -> str:
+        """The artifact set it belongs to: the preset, or "preset+variant" for a flag set."""
+        return artifact_key(self.preset, self.flags)
 
 
-# Two compile jobs of about equal cost, run as parallel processes. Job A compiles its default
-# graphs first, then batch8 into the same --out, so batch8's full-table decode-b8 graphs (equal
-# hashes to default's) are copied instead of compiled.
-DEFAULT_A = _full_sampler_plus(["decode-b8-t1-base", "decode-b8-t1-base-greedy"], set())
-DEFAULT_B = _full_sampler_plus(["decode-b1-t1-base", "decode-b1-t1-base-greedy", "decode-b2-t1-base",
-                                "decode-b2-t1-base-greedy", "decode-b4-t1-base", "decode-b4-t1-base-greedy",
-                                "prefill-b1-t16-base", "prefill-b1-t64-base"], set())
-BATCH8 = (FAST_SUBSET["batch8"] if SUBSET else
-          _full_sampler_plus(["decode-b8-t1-c128-base", "decode-b8-t1-c128-base-greedy", "decode-b8-t1-base",
-                              "decode-b8-t1-base-greedy", "prefill-b1-t32-base", "prefill-b1-t128-base"],
-                             {"decode-b8-t1-c128-base-greedy"}))
+def artifact_key(preset: str, flags: tuple[str, ...] = ()) -> str:
+    from trnrt.compile.catalogue import variant_name
+
+    return preset if not flags else f"{preset}+{variant_name(flags)}"
+
+
+@lru_cache(maxsize=None)
+def _lock_graphs(preset: str) -> dict:
+    from trnrt.config.presets import read_preset
+
+    path = read_preset(preset).lock_path
+    try:
+        return json.loads(path.read_text())["dims"]["tiny"]["graphs"]
+    except (OSError, KeyError, ValueError):
+        return {}
+
+
+@lru_cache(maxsize=None)
+def catalogue() -> tuple[Graph, ...]:
+    """Every graph of PRESETS x FLAG_SETS, in catalogue order (the base graphs once, unflagged)."""
+    from trnrt.compile.catalogue import BASE_VARIANT, expand
+    from trnrt.config.presets import load_preset
+
+    out = []
+    for flags in FLAG_SETS:
+        for preset in PRESETS:
+            lock = _lock_graphs(preset)
+            biggest = {}
+            for gid, g in lock.items():
+                phase = gid.split("-")[0]
+                biggest[phase] = max(biggest.get(phase, 0), int(g.get("nodes", 0)))
+            for s in expand(load_preset(preset), flags):
+                if flags and s.variant == BASE_VARIANT:
+                    continue  # compiled with the unflagged set
+                entry = lock.get(s.graph_id) if s.variant == BASE_VARIANT else None
+                cost = int(entry["nodes"]) if entry else biggest.get(s.phase, 0) or 3500
+                out.append(Graph(preset, tuple(sorted(flags)), s.graph_id, (s.phase, s.variant, s.sampling),
+                                 entry["hash"] if entry else None, cost))
+    return tuple(out)
+
+
+@lru_cache(maxsize=None)
+def selected() -> tuple[Graph, ...]:
+    """The graphs this session compiles (or copies), in catalogue order."""
+    graphs = catalogue()
+    if MODE == "every":
+        return graphs
+    if SUBSET:
+        return tuple(g for g in graphs if not g.flags and g.id in FAST_SUBSET.get(g.preset, ()))
+    from trnrt.compile.catalogue import BASE_VARIANT
+
+    every_bucket = (BASE_VARIANT, "full")  # the kind compiled for every bucket
+    chosen = [g for g in graphs if g.kind[1:] == every_bucket]
+    kinds = {g.kind for g in graphs if g.kind[1:] != every_bucket}
+    for kind in sorted(kinds):
+        of_kind = [g for g in graphs if g.kind == kind]
+        rep = [g for g in of_kind if g.preset == REPRESENTATIVE] or of_kind
+        chosen.append(rep[0])
+    return tuple(g for g in graphs if g in chosen)
+
+
+def _units(graphs) -> list[list[Graph]]:
+    """Graphs that are one compile: equal lock hashes (same flag set), else each on its own."""
+    by_hash: dict = {}
+    for g in graphs:
+        by_hash.setdefault((g.flags, g.lock_hash or (g.preset, g.id)), []).append(g)
+    return list(by_hash.values())
+
+
+def jobs(n: int = JOBS, graphs=None) -> list[list[tuple[str, tuple[str, ...], list[str]]]]:
+    """The compile jobs for `graphs` (default: selected()): each a list of (preset, flags, graph
+    ids) steps, run in order into one --out per flag set, balanced by cost (longest first onto the
+    least loaded job)."""
+    loads = [0] * n
+    members: list[list[Graph]] = [[] for _ in range(n)]
+    for unit in sorted(_units(selected() if graphs is None else graphs), key=lambda u: (-u[0].cost, u[0].preset, u[0].id)):
+        j = loads.index(min(loads))
+        loads[j] += unit[0].cost
+        members[j] += unit
+    out = []
+    for mine in members:
+        steps = []
+        for flags in FLAG_SETS:  # presets in PRESETS order: a copied graph's source comes first
+            for preset in PRESETS:
+                ids = [g.id for g in mine if g.preset == preset and g.flags == tuple(sorted(flags))]
+                if ids:
+                    steps.append((preset, tuple(sorted(flags)), ids))
+        if steps:
+            out.append(steps)
+    return out
+
+
+def compiled_ids() -> dict[str, list[str]]:
+    """{artifact key: graph ids} of the graphs the session compiles or copies."""
+    out: dict[str, list[str]] = {}
+    for g in selected():
+        out.setdefault(g.key, []).append(g.id)
+    return out
+
+
+def copied_ids() -> dict[str, set[str]]:
+    """{artifact key: graph ids} that are copies of an earlier preset's equal graph."""
+    out: dict[str, set[str]] = {}
+    for unit in _units(selected()):
+        for g in unit[1:]:
+            out.setdefault(g.key, set()).add(g.id)
+    return out

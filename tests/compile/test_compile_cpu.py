@@ -20,7 +20,7 @@ from trnrt.compile.manifest import Manifest
 from trnrt.config.presets import load_preset, read_preset
 from trnrt.verify.graph_equiv import read_lock
 
-from compile_groups import BATCH8, DEFAULT_A, DEFAULT_B, SUBSET
+from compile_groups import PRESETS, SUBSET, catalogue, compiled_ids, copied_ids, selected
 
 LOGPROB_TOL = 1e-4  # fp32; Inductor fuses and reorders reductions, so bits may differ
 
@@ -72,33 +72,31 @@ def _check_same(model, cfg, art_dir):
     return {s.graph_id for s in specs}
 
 
-def test_compiled_equals_eager_batch8(tiny_model, compiled_batch8):
-    checked = _check_same(tiny_model, load_preset("batch8"), compiled_batch8)
-    assert checked == set(BATCH8)
-    if not SUBSET:  # its full-table decode-b8 graph is default's: copied from there, not compiled again
-        man = Manifest.read(compiled_batch8)
-        assert {g.id for g in man.graphs if g.reused} == {g for g in BATCH8 if g in DEFAULT_A}
-        assert any(g.reused for g in man.graphs)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_compiled_equals_eager(tiny_model, compiled, preset):
+    """Every compiled graph of the preset gives eager's tokens, logprobs and state."""
+    if preset not in compiled:
+        pytest.skip(f"TRNRT_TEST_COMPILE=subset: {preset}'s graphs are not compiled")
+    checked = _check_same(tiny_model, load_preset(preset), compiled[preset])
+    assert checked == set(compiled_ids()[preset])
+    # a graph equal to an earlier preset's (equal lock hashes) is copied from there, not compiled again
+    man = Manifest.read(compiled[preset])
+    assert {g.id for g in man.graphs if g.reused} == copied_ids().get(preset, set())
 
 
-def test_every_bucket_is_compiled():
-    """Every bucket of both presets (batch x context for decode, tokens for prefill) has a compiled
-    graph in the default mode; the sampler twins are all there with TRNRT_TEST_COMPILE=every."""
+def test_every_bucket_and_kind_is_compiled():
+    """Every bucket of both presets (batch x context for decode, tokens x context for prefill)
+    has a compiled graph in the default mode, and so has every other kind of graph (sampler,
+    variant) somewhere; with TRNRT_TEST_COMPILE=every, every graph."""
     if SUBSET:
         pytest.skip("TRNRT_TEST_COMPILE=subset")
-    for preset, ids in (("default", set(DEFAULT_A) | set(DEFAULT_B)), ("batch8", set(BATCH8))):
+    ids = compiled_ids()
+    for preset in PRESETS:
         specs = expand(load_preset(preset))
-        assert {(s.phase, s.batch, s.tokens, s.context) for s in specs if s.graph_id in ids} == \
+        assert {(s.phase, s.batch, s.tokens, s.context) for s in specs if s.graph_id in ids[preset]} == \
             {(s.phase, s.batch, s.tokens, s.context) for s in specs}, preset
-        assert any(g.endswith("-greedy") for g in ids) or preset == "default"
-
-
-def test_compiled_equals_eager_default_a(tiny_model, compiled_default_a):
-    assert _check_same(tiny_model, load_preset("default"), compiled_default_a) == set(DEFAULT_A)
-
-
-def test_compiled_equals_eager_default_b(tiny_model, compiled_default_b):
-    assert _check_same(tiny_model, load_preset("default"), compiled_default_b) == set(DEFAULT_B)
+    assert {g.kind for g in selected()} == {g.kind for g in catalogue()}
+    assert any(g.kind == ("decode", "base", "greedy") for g in selected())
 
 
 def test_manifest(compiled_batch8):

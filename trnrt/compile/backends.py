@@ -30,6 +30,7 @@ import torch
 from trnrt.config.engine_config import EngineConfig
 from trnrt.engine.step import GraphSpec
 
+from . import inductor_memo
 from .export import ExportedGraph, eager_callable, model_constants, state_tensors
 
 
@@ -96,6 +97,10 @@ class CpuBackend(Backend):
         # to unvectorised kernels. (Not taken: compile_wrapper_opt_level "O0" saves ~4 s of g++
         # per graph but made the compiled steps ~5% slower; serving speed wins.)
         "cpp.vec_isa_ok": True,
+        # No -g1 line tables in the .so (debug info only: same machine code): ~1.6 s less g++ CPU
+        # per graph on the wrapper (25.8 -> 24.2 s, decode-b8 of the tiny model), nothing on the
+        # kernels; a stack trace through a compiled graph names functions, not source lines.
+        "aot_inductor.enable_line_tables": False,
     }
 
     def compile(self, graph: ExportedGraph, art_dir: Path, options: dict) -> CompileResult:
@@ -109,6 +114,7 @@ class CpuBackend(Backend):
         pkg = gdir / f"{gid}.pt2"
         files = [f"graphs/{gid}.pt2"]
         configs = {**self.BASE_OPTIONS, **dict(options.get("inductor", {}))}
+        inductor_memo.install()  # same generated code, less Python time (see the module)
         t0 = time.perf_counter()
         with identical_compile_lock(graph.graph_hash, configs), quiet_torch_leafspec_warning():
             aoti_compile_and_package(graph.program, package_path=str(pkg), inductor_configs=configs)
