@@ -1,0 +1,93 @@
+"""Compiled variant graphs equal eager with live logits-processor inputs.
+
+The session compiles the `penalties+structured_outputs` superset variant (both processors in one
+graph: the dense repetition scale and additive bias, then the packed token bitmask) for one graph
+of each kind of `batch8` (compile_groups.FLAG_SETS). Each compiled graph must give the eager step's
+tokens and logprobs on a batch with real masks and penalties, and the inputs must bind: every
+sampled token is allowed by its row's mask, and the mask changes at least one row's token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trnrt.compile import load_compiled
+from trnrt.compile.export import eager_callable, spec_inputs
+from trnrt.compile.manifest import Manifest
+from trnrt.config.presets import load_preset
+from trnrt.engine.variant_step import extra_input_names
+
+FLAGS = ("penalties", "structured_outputs")
+KEY = "batch8+" + "+".join(sorted(FLAGS))
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def variant_dir(compiled):
+    if KEY not in compiled:
+        pytest.skip(f"the session compiles no {KEY} graphs (compile_groups.FLAG_SETS)")
+    return compiled[KEY]
+
+
+def _live_inputs(spec, cfg, vocab: int, g: torch.Generator):
+    """Step inputs with live rows (all but the last: padding), then real processor inputs."""
+    inputs = list(spec_inputs(spec, cfg, vocab))
+    names = extra_input_names(FLAGS)
+    b, s = spec.batch, spec.tokens
+    live = b - 1 if b > 1 else 1
+    inputs[0][:live] = torch.randint(1, vocab, (live, s), generator=g)
+    inputs[1][:live] = 0 if s > 1 else torch.arange(3, 3 + live)  # start_pos
+    inputs[2][:live] = s  # num_new
+    blocks = cfg.table_blocks(spec.context)
+    inputs[3][:live, : min(blocks, 8)] = (torch.arange(1, min(blocks, 8) + 1)[None] + 8 * torch.arange(live)[:, None])
+    inputs[4][:live] = torch.arange(1, live + 1)  # slots
+    inputs[5][:live] = 0.8  # temperature (the greedy graphs ignore it)
+    inputs[9][:live] = torch.arange(live) + 11  # seeds
+    inputs[10][:live] = inputs[1][:live] + s
+    extra = dict(zip(names, inputs[11:]))
+    extra["logit_scale"][:live] = 1.0 + torch.rand(live, vocab, generator=g)  # repetition penalties in [1, 2)
+    extra["logit_bias"][:live] = torch.randn(live, vocab, generator=g)
+    words = extra["token_bitmask"].shape[1]
+    bits = torch.randint(-(2 ** 31), 2 ** 31 - 1, (live, words), generator=g, dtype=torch.int64)
+    extra["token_bitmask"][:live] = (bits & torch.randint(-(2 ** 31), 2 ** 31 - 1, (live, words), generator=g,
+                                                          dtype=torch.int64)).to(torch.int32)  # ~1/4 allowed
+    return inputs, live
+
+
+def _allowed(mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    word = mask.gather(1, (ids // 32)[:, None]).squeeze(1).to(torch.int64) & 0xFFFFFFFF
+    return ((word >> (ids % 32)) & 1) == 1
+
+
+def test_compiled_variants_equal_eager_with_live_inputs(tiny_model, variant_dir):
+    cfg = load_preset("batch8").replace(variants=FLAGS)
+    man = Manifest.read(variant_dir)
+    ok = {e.id for e in man.graphs if e.status == "ok"}
+    from trnrt.compile.catalogue import expand
+
+    specs = [s for s in expand(cfg) if s.variant != "base" and s.graph_id in ok]
+    assert specs, f"no compiled variant graph in {variant_dir}"
+    vocab = int(tiny_model.config.vocab_size)
+    changed = 0
+    for i, spec in enumerate(specs):
+        g = torch.Generator().manual_seed(i)
+        st_c = tiny_model.allocate_state(cfg.num_blocks, cfg.block_size, cfg.num_slots)
+        st_e = tiny_model.allocate_state(cfg.num_blocks, cfg.block_size, cfg.num_slots)
+        fn = load_compiled(variant_dir, tiny_model, st_c, cfg, specs=[spec], check_graphs=False)[spec]
+        assert hasattr(fn, "runner"), "expected an AOTInductor callable"
+        eager = eager_callable(tiny_model, st_e, cfg, spec)
+        inputs, live = _live_inputs(spec, cfg, vocab, g)
+        with torch.inference_mode():
+            c = fn(*[t.clone() for t in inputs])
+            e = eager(*[t.clone() for t in inputs])
+            neutral = list(inputs)
+            neutral[-1] = torch.full_like(inputs[-1], -1)  # all tokens allowed
+            st_n = tiny_model.allocate_state(cfg.num_blocks, cfg.block_size, cfg.num_slots)
+            free = eager_callable(tiny_model, st_n, cfg, spec)(*neutral)
+        assert torch.equal(c[0][:live], e[0][:live]), f"{spec.graph_id}: tokens {c[0].tolist()} vs {e[0].tolist()}"
+        torch.testing.assert_close(c[1][:live], e[1][:live], atol=LOGPROB_TOL, rtol=0)
+        torch.testing.assert_close(c[3][:live], e[3][:live], atol=LOGPROB_TOL, rtol=0)
+        assert _allowed(inputs[-1][:live], c[0][:live]).all(), f"{spec.graph_id}: a sampled token is masked"
+        changed += int((free[0][:live] != e[0][:live]).any())
+    assert changed, "the masks never changed a token: the test would not see a graph that ignores them"
