@@ -73,19 +73,6 @@ def test_neutral_inputs_are_the_identity_and_inactive_states_are_neutral():
     assert proc.row_value(_Row(st)) is None  # min reached, nothing else: the row may run in the base graph
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from trnrt.config import EngineConfig
-    from trnrt.models.glm5_next.weights import load_model
-    from trnrt.models.tiny import default_model_dir
-
-    torch.manual_seed(0)
-    model = load_model(default_model_dir(), dtype=torch.float32)
-    cfg = EngineConfig(max_model_len=128, decode_batch_buckets=(4,), prefill_token_buckets=(16,), num_blocks=40,
-                       num_slots=6, max_top_logprobs=4)
-    return model, cfg
-
-
 @pytest.mark.parametrize("sampling,temp", [("greedy", 0.0), ("full", 0.8)])
 def test_variant_step_neutral_equals_base(tiny, sampling, temp):
     from trnrt.engine.step import GraphSpec, StepFunction, example_inputs

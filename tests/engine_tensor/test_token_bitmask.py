@@ -62,19 +62,6 @@ def test_xgrammar_masks_unpack_to_its_own_allowed_set():
     assert torch.equal(TokenBitmaskProcessor().apply(logits, bm), ref)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from trnrt.config import EngineConfig
-    from trnrt.models.glm5_next.weights import load_model
-    from trnrt.models.tiny import default_model_dir
-
-    torch.manual_seed(0)
-    model = load_model(default_model_dir(), dtype=torch.float32)
-    cfg = EngineConfig(max_model_len=128, decode_batch_buckets=(4,), prefill_token_buckets=(16,), num_blocks=40,
-                       num_slots=6, max_top_logprobs=4)
-    return model, cfg
-
-
 def _step_inputs(cfg, vocab, sampling_temp):
     from trnrt.engine.step import GraphSpec, example_inputs
 

@@ -168,6 +168,22 @@ class Server:
             parsed = data.decode("utf-8", "replace")
         return r.status, parsed, dict(r.getheaders())
 
+    def sse_events(self, path: str, body: dict, timeout: float = 300) -> list:
+        """The parsed `data:` events of a streamed POST (without `[DONE]`); asserts a 200."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.read().decode().splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        conn.close()
+        return events
+
+    def post(self, path: str, body: dict, timeout: float = 300):
+        """(status, parsed body) of a POST."""
+        status, data, _ = self.raw("POST", path, body, timeout=timeout)
+        return status, data
+
     def stats(self) -> dict:
         return self.raw("GET", "/v1/stats")[1]
 

@@ -34,41 +34,27 @@ def pen_server():
     stop_server(server)
 
 
-def _post(server, path, body):
-    status, data, _ = server.raw("POST", path, body, timeout=120)
-    return status, data
 
 
-def _sse(server, path, body):
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
-    assert r.status == 200, r.read()
-    chunks = [json.loads(line[6:]) for line in r.read().decode().splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
-    conn.close()
-    return chunks
 
 
 def test_logit_bias_forces_its_token_on_every_route(pen_server):
     target = 1234
     common = {"temperature": 0, "ignore_eos": True, "logit_bias": {str(target): 100}}
-    s, d = _post(pen_server, COMP, {"prompt": "hello", "max_tokens": 4, "return_token_ids": True, **common})
+    s, d = pen_server.post(COMP, {"prompt": "hello", "max_tokens": 4, "return_token_ids": True, **common})
     assert s == 200 and d["choices"][0]["token_ids"] == [target] * 4, d
-    s, d = _post(pen_server, CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+    s, d = pen_server.post(CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                                     "return_token_ids": True, "chat_template_kwargs": {"enable_thinking": False},
                                     **common})
     assert s == 200 and d["choices"][0]["token_ids"] == [target] * 4, d
-    s, d = _post(pen_server, GEN, {"text": "hello", "sampling_params": {"max_new_tokens": 4, **common}})
+    s, d = pen_server.post(GEN, {"text": "hello", "sampling_params": {"max_new_tokens": 4, **common}})
     assert s == 200 and d["output_ids"] == [target] * 4, d
     # without the bias the greedy output is something else (the test means something)
-    s, d = _post(pen_server, COMP, {"prompt": "hello", "max_tokens": 4, "return_token_ids": True, "temperature": 0,
+    s, d = pen_server.post(COMP, {"prompt": "hello", "max_tokens": 4, "return_token_ids": True, "temperature": 0,
                                     "ignore_eos": True})
     assert d["choices"][0]["token_ids"] != [target] * 4
     # penalties are accepted (and change nothing about the shape of the answer)
-    s, d = _post(pen_server, COMP, {"prompt": "hello hello", "max_tokens": 4, "temperature": 0,
+    s, d = pen_server.post(COMP, {"prompt": "hello hello", "max_tokens": 4, "temperature": 0,
                                     "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": -0.5})
     assert s == 200, d
 
@@ -94,7 +80,7 @@ BAD = [
 
 @pytest.mark.parametrize("path,body,field", BAD)
 def test_bad_values_are_400s_naming_the_field(pen_server, path, body, field):
-    s, d = _post(pen_server, path, body)
+    s, d = pen_server.post(path, body)
     assert s == 400, d
     assert field in json.dumps(d), d
 
@@ -106,7 +92,7 @@ def test_bad_values_are_400s_naming_the_field(pen_server, path, body, field):
     (GEN, {"text": "a", "sampling_params": {"repetition_penalty": 1.2}}, "repetition_penalty"),
 ])
 def test_without_the_flag_a_penalty_is_a_400_naming_the_flag(scripted_server, path, body, field):
-    s, d = _post(scripted_server, path, body)
+    s, d = scripted_server.post(path, body)
     assert s == 400, d
     assert field in json.dumps(d) and "--penalties" in json.dumps(d), d
 
@@ -138,14 +124,14 @@ def _text(srv, path, body, stream):
     """(text, finish_reason) of one choice, streamed or not."""
     body = dict(body, stream=stream)
     if not stream:
-        s, d = _post(srv, path, body)
+        s, d = srv.post(path, body)
         assert s == 200, d
         if path == GEN:
             return d["text"], d["meta_info"]["finish_reason"]["type"]
         c = d["choices"][0]
         return (c["message"]["content"] if path == CHAT else c["text"]), c["finish_reason"]
     text, finish = "", None
-    for c in _sse(srv, path, body):
+    for c in srv.sse_events(path, body):
         if path == GEN:
             text, finish = c["text"], (c["meta_info"]["finish_reason"] or {}).get("type")
             continue
@@ -179,7 +165,7 @@ def test_min_tokens_protects_a_stop_string_in_the_first_tokens(scripted_pen, str
     body = {"text": "go", "sampling_params": {"max_new_tokens": 30, "stop_regex": r"S\w+P", "min_new_tokens": n_first}}
     assert _text(srv, GEN, body, stream)[0].strip() == "ab STOP cd"
     n = len(srv.stop_script) + 3
-    s, d = _post(srv, COMP, {"prompt": "go", "max_tokens": 40, "min_tokens": n})
+    s, d = srv.post(COMP, {"prompt": "go", "max_tokens": 40, "min_tokens": n})
     assert d["usage"]["completion_tokens"] == n and d["choices"][0]["finish_reason"] == "stop", d
 
 
@@ -188,7 +174,7 @@ def test_thinking_budget_gives_exactly_n_reasoning_tokens(scripted_pen, budget):
     srv = scripted_pen
     want = srv.reasoning[:budget] + [srv.think_end]
     msgs = [{"role": "user", "content": "THINK please"}]
-    s, d = _post(srv, CHAT, {"messages": msgs, "max_tokens": 20, "thinking_token_budget": budget,
+    s, d = srv.post(CHAT, {"messages": msgs, "max_tokens": 20, "thinking_token_budget": budget,
                              "return_token_ids": True})
     assert s == 200, d
     ids = d["choices"][0]["token_ids"]
@@ -196,17 +182,17 @@ def test_thinking_budget_gives_exactly_n_reasoning_tokens(scripted_pen, budget):
     assert ids[: budget + 1] == want, ids
     assert (d["choices"][0]["message"]["reasoning_content"] or "") == srv.tok.decode(srv.reasoning[:budget])
     # without a budget the script reasons 8 tokens
-    s, d = _post(srv, CHAT, {"messages": msgs, "max_tokens": 20, "return_token_ids": True})
+    s, d = srv.post(CHAT, {"messages": msgs, "max_tokens": 20, "return_token_ids": True})
     assert d["choices"][0]["token_ids"].index(srv.think_end) == len(srv.reasoning)
     # Messages: thinking.budget_tokens (>= 1 there)
     if budget:
-        s, d = _post(srv, "/v1/messages", {"model": "trnrt-tiny", "max_tokens": 20, "messages": msgs,
+        s, d = srv.post("/v1/messages", {"model": "trnrt-tiny", "max_tokens": 20, "messages": msgs,
                                            "thinking": {"type": "enabled", "budget_tokens": budget}})
         assert s == 200, d
         thinking = [b for b in d["content"] if b["type"] == "thinking"]
         assert thinking and thinking[0]["thinking"] == srv.tok.decode(srv.reasoning[:budget]), d
     # /generate: max_thinking_tokens on a prompt that opens a think block
     prompt = srv.tok.encode("THINK", add_special_tokens=False) + [srv.tok.convert_tokens_to_ids("<think>")]
-    s, d = _post(srv, GEN, {"input_ids": prompt, "max_thinking_tokens": budget, "sampling_params": {
+    s, d = srv.post(GEN, {"input_ids": prompt, "max_thinking_tokens": budget, "sampling_params": {
         "max_new_tokens": 20, "skip_special_tokens": False}})
     assert s == 200 and d["output_ids"][: budget + 1] == want, d

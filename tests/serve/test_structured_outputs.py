@@ -89,25 +89,13 @@ def so_server():
     stop_server(server)
 
 
-def _post(server, path, body):
-    status, data, _ = server.raw("POST", path, body, timeout=300)
-    return status, data
+
+
 
 
 def _sse_text(server, path, body, pick):
     """Concatenated text of an SSE response (pick(chunk) -> text piece)."""
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
-    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
-    assert r.status == 200, r.read()
-    out = []
-    for line in r.read().decode().splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            out.append(pick(json.loads(line[6:])) or "")
-    conn.close()
-    return "".join(out)
+    return "".join(pick(e) or "" for e in server.sse_events(path, body))
 
 
 def _run_all(jobs):
@@ -145,20 +133,20 @@ def test_every_guided_output_is_valid(so_server):
                                          lambda c: (c["choices"][0]["delta"].get("content") if c["choices"] else "")),
                 lambda t, s=schema, i=i: _check_json(t, s, f"chat stream schema {i}"))
         else:
-            add(lambda b=body: _post(srv, chat, b)[1]["choices"][0]["message"]["content"],
+            add(lambda b=body: srv.post(chat, b)[1]["choices"][0]["message"]["content"],
                 lambda t, s=schema, i=i: _check_json(t, s, f"chat schema {i}"))
         # the same schema through the other routes and spellings
         route = i % 4
         if route == 0:
-            add(lambda s=schema, i=i: _post(srv, "/v1/completions", {"prompt": f"json {i}:", "max_tokens": MAX_TOKENS,
+            add(lambda s=schema, i=i: srv.post("/v1/completions", {"prompt": f"json {i}:", "max_tokens": MAX_TOKENS,
                                                                    "temperature": 0, "guided_json": s})[1]
                 ["choices"][0]["text"], lambda t, s=schema, i=i: _check_json(t, s, f"completions guided_json {i}"))
         elif route == 1:
-            add(lambda s=schema, i=i: _post(srv, "/generate", {"text": f"json {i}:", "sampling_params": {
+            add(lambda s=schema, i=i: srv.post("/generate", {"text": f"json {i}:", "sampling_params": {
                 "json_schema": json.dumps(s), "max_new_tokens": MAX_TOKENS, "temperature": 0}})[1]["text"],
                 lambda t, s=schema, i=i: _check_json(t, s, f"generate json_schema {i}"))
         elif route == 2:
-            add(lambda s=schema, i=i: _post(srv, "/v1/responses", {"input": f"json {i}", "max_output_tokens": MAX_TOKENS,
+            add(lambda s=schema, i=i: srv.post("/v1/responses", {"input": f"json {i}", "max_output_tokens": MAX_TOKENS,
                                                                  "temperature": 0, "reasoning": {"effort": "none"},
                                                                  "text": {"format": {"type": "json_schema",
                                                                                      "name": "x", "schema": s}}})[1]
@@ -170,30 +158,30 @@ def test_every_guided_output_is_valid(so_server):
                 lambda t, s=schema, i=i: _check_json(t, s, f"completions stream structured_outputs.json {i}"))
     for i, rx in enumerate(REGEXES):
         if i % 2:
-            add(lambda rx=rx, i=i: _post(srv, chat, {"messages": [{"role": "user", "content": f"r{i}"}],
+            add(lambda rx=rx, i=i: srv.post(chat, {"messages": [{"role": "user", "content": f"r{i}"}],
                                                      "guided_regex": rx, "max_tokens": MAX_TOKENS, "temperature": 0,
                                                      "chat_template_kwargs": no_think})[1]
                 ["choices"][0]["message"]["content"], lambda t, rx=rx: _assert_full(rx, t))
         else:
             add(lambda rx=rx, i=i: _sse_text(srv, "/generate", {"text": f"r{i}", "stream": True, "sampling_params": {
                 "regex": rx, "max_new_tokens": MAX_TOKENS, "temperature": 0}}, None) if False else
-                _post(srv, "/generate", {"text": f"r{i}", "sampling_params": {
+                srv.post("/generate", {"text": f"r{i}", "sampling_params": {
                     "regex": rx, "max_new_tokens": MAX_TOKENS, "temperature": 0}})[1]["text"],
                 lambda t, rx=rx: _assert_full(rx, t))
     for i, (g, rx) in enumerate(EBNFS):
-        add(lambda g=g, i=i: _post(srv, "/v1/completions", {"prompt": f"g{i}", "max_tokens": MAX_TOKENS,
+        add(lambda g=g, i=i: srv.post("/v1/completions", {"prompt": f"g{i}", "max_tokens": MAX_TOKENS,
                                                             "temperature": 1.0, "seed": i,
                                                             "structured_outputs": {"grammar": g}})[1]
             ["choices"][0]["text"], lambda t, rx=rx: _assert_full(rx, t))
-        add(lambda g=g, i=i: _post(srv, "/generate", {"text": f"g{i}", "sampling_params": {
+        add(lambda g=g, i=i: srv.post("/generate", {"text": f"g{i}", "sampling_params": {
             "ebnf": g, "max_new_tokens": MAX_TOKENS, "temperature": 0}})[1]["text"],
             lambda t, rx=rx: _assert_full(rx, t))
     for i, ch in enumerate(CHOICES):
-        add(lambda ch=ch, i=i: _post(srv, chat, {"messages": [{"role": "user", "content": f"c{i}"}],
+        add(lambda ch=ch, i=i: srv.post(chat, {"messages": [{"role": "user", "content": f"c{i}"}],
                                                  "structured_outputs": {"choice": ch}, "max_tokens": MAX_TOKENS,
                                                  "chat_template_kwargs": no_think, "seed": i})[1]
             ["choices"][0]["message"]["content"], lambda t, ch=ch: _assert_in(t, ch))
-        add(lambda ch=ch, i=i: _post(srv, "/v1/completions", {"prompt": f"c{i}", "guided_choice": ch,
+        add(lambda ch=ch, i=i: srv.post("/v1/completions", {"prompt": f"c{i}", "guided_choice": ch,
                                                               "max_tokens": MAX_TOKENS})[1]["choices"][0]["text"],
             lambda t, ch=ch: _assert_in(t, ch))
     before = dict(srv.engine.runner.num_graph_calls)
@@ -235,14 +223,14 @@ def test_bad_grammars_are_400s_naming_the_field(so_server):
             "schema": {}, "strict": "yes"}}}, "response_format.json_schema.strict", "boolean"),
     ]
     for path, body, field, text in cases:
-        status, data = _post(srv, path, body)
+        status, data = srv.post(path, body)
         assert status == 400, (body, data)
         err = data["error"] if "error" in data else data
         assert err.get("param") == field and text in err["message"], data
         assert ".cc:" not in err["message"] and "/project" not in err["message"]
-    status, data = _post(srv, "/generate", {"text": "x", "sampling_params": {"regex": "(", "max_new_tokens": 4}})
+    status, data = srv.post("/generate", {"text": "x", "sampling_params": {"regex": "(", "max_new_tokens": 4}})
     assert status == 400 and "sampling_params.regex" in json.dumps(data), data
-    status, data = _post(srv, "/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema",
+    status, data = srv.post("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema",
                                                                                  "schema": {"type": "strng"}}}})
     assert status == 400 and data["error"]["param"] == "text.format.schema", data
     assert srv.engine.thread.is_alive()
@@ -286,7 +274,7 @@ def test_reasoning_on_grammar_applies_after_think(tokenizer_factory):
                 _sse_text(srv, "/v1/chat/completions", body, pick)
                 content, reasoning = parts["content"], parts["reasoning_content"]
             else:
-                msg = _post(srv, "/v1/chat/completions", body)[1]["choices"][0]["message"]
+                msg = srv.post("/v1/chat/completions", body)[1]["choices"][0]["message"]
                 content, reasoning = msg["content"], msg["reasoning_content"]
             assert reasoning.strip() == "let me think"
             _check_json(content, schema, "reasoning-on answer")

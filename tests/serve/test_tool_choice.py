@@ -59,22 +59,8 @@ def server():
     stop_server(srv)
 
 
-def _post(srv, path, body):
-    status, data, _ = srv.raw("POST", path, body, timeout=300)
-    return status, data
 
 
-def _sse(srv, path, body):
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=300)
-    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-    r = conn.getresponse()
-    assert r.status == 200, r.read()
-    events = [json.loads(line[6:]) for line in r.read().decode().splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
-    conn.close()
-    return events
 
 
 # Each route's request -> [(name, arguments dict)] and whether the finish says "tool call".
@@ -83,14 +69,14 @@ def _chat(srv, seed, choice, stream, parallel):
             "temperature": 1.0, "seed": seed, "max_tokens": MAX_TOKENS,
             "chat_template_kwargs": {"enable_thinking": False}}
     if not stream:
-        status, data = _post(srv, "/v1/chat/completions", body)
+        status, data = srv.post("/v1/chat/completions", body)
         assert status == 200, data
         ch = data["choices"][0]
         calls = [(c["function"]["name"], c["function"]["arguments"]) for c in ch["message"].get("tool_calls") or []]
         return calls, ch["finish_reason"] == "tool_calls", ch["message"].get("content")
     calls: dict[int, list] = {}
     finish, content = None, ""
-    for ev in _sse(srv, "/v1/chat/completions", {**body, "stream": True}):
+    for ev in srv.sse_events("/v1/chat/completions", {**body, "stream": True}):
         for ch in ev.get("choices", []):
             d = ch.get("delta") or {}
             content += d.get("content") or ""
@@ -109,10 +95,10 @@ def _responses(srv, seed, choice, stream, parallel):
             "parallel_tool_calls": parallel, "temperature": 1.0, "seed": seed, "max_output_tokens": MAX_TOKENS,
             "reasoning": {"effort": "none"}, "store": False}
     if stream:
-        events = _sse(srv, "/v1/responses", {**body, "stream": True})
+        events = srv.sse_events("/v1/responses", {**body, "stream": True})
         data = [e for e in events if e.get("type") == "response.completed"][0]["response"]
     else:
-        status, data = _post(srv, "/v1/responses", body)
+        status, data = srv.post("/v1/responses", body)
         assert status == 200, data
     calls = [(o["name"], o["arguments"]) for o in data["output"] if o["type"] == "function_call"]
     texts = [o for o in data["output"] if o["type"] == "message"]
@@ -130,9 +116,9 @@ def _messages(srv, seed, choice, stream, parallel):
             "temperature": 1.0, "max_tokens": MAX_TOKENS, "thinking": {"type": "disabled"},
             "metadata": {"user_id": "t"}}
     if stream:
-        data = fold(iter(_sse(srv, "/v1/messages", {**body, "stream": True})))
+        data = fold(iter(srv.sse_events("/v1/messages", {**body, "stream": True})))
     else:
-        status, data = _post(srv, "/v1/messages", body)
+        status, data = srv.post("/v1/messages", body)
         assert status == 200, data
     calls = [(b["name"], json.dumps(b["input"])) for b in data["content"] if b["type"] == "tool_use"]
     texts = [b for b in data["content"] if b["type"] == "text" and b["text"]]
@@ -183,18 +169,18 @@ def test_the_flag_off_names_it_and_bad_choices_name_the_field(server):
     from trnrt.serve import ServeSettings, hf_tokenizer_factory
 
     base = {"messages": MESSAGES, "tools": CHAT_TOOLS, "max_tokens": 8}
-    status, data = _post(server, "/v1/chat/completions", {**base, "tool_choice": {
+    status, data = server.post("/v1/chat/completions", {**base, "tool_choice": {
         "type": "function", "function": {"name": "nope"}}})
     assert status == 400 and data["error"]["param"] == "tool_choice.function.name", data
-    status, data = _post(server, "/v1/chat/completions", {**base, "tool_choice": "required",
+    status, data = server.post("/v1/chat/completions", {**base, "tool_choice": "required",
                                                           "response_format": {"type": "json_object"}})
     assert status == 400 and data["error"]["param"] == "tool_choice", data
-    status, data = _post(server, "/v1/messages", {"model": "trnrt-tiny", "messages": MESSAGES, "tools": MSG_TOOLS,
+    status, data = server.post("/v1/messages", {"model": "trnrt-tiny", "messages": MESSAGES, "tools": MSG_TOOLS,
                                                   "max_tokens": 8, "tool_choice": {"type": "tool", "name": "x"}})
     assert status == 400 and "tool_choice.name" in json.dumps(data), data
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "s": {"type": "string", "minLength": 3, "maxLength": 1}}}}}
-    status, data = _post(server, "/v1/chat/completions", {**base, "tools": [bad], "tool_choice": "required"})
+    status, data = server.post("/v1/chat/completions", {**base, "tools": [bad], "tool_choice": "required"})
     assert status == 400 and "minLength 3 is greater than maxLength 1" in data["error"]["message"], data
 
     engine = Engine.from_model_dir(default_model_dir(), max_running_requests=4)
@@ -205,7 +191,7 @@ def test_the_flag_off_names_it_and_bad_choices_name_the_field(server):
                            ("/v1/responses", {"input": "hi", "tools": RESP_TOOLS, "tool_choice": "required"}),
                            ("/v1/messages", {"model": "trnrt-tiny", "messages": MESSAGES, "tools": MSG_TOOLS, "max_tokens": 8,
                                              "tool_choice": {"type": "any"}})):
-            status, data = _post(off, path, body)
+            status, data = off.post(path, body)
             assert status == 400 and "--structured-outputs" in json.dumps(data) and "tool_choice" in json.dumps(data), \
                 (path, data)
         assert off.raw("GET", "/health")[0] == 200  # the engine lives on
