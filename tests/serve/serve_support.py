@@ -278,7 +278,8 @@ def spawn_serve(tok_dir, *args: str):
         [sys.executable, "-m", "trnrt", "serve", "--scripted", "--model", str(tok_dir), "--port", "0", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url, lines = None, []
-    deadline = time.monotonic() + 30
+    # generous: a loaded CI box took ~50 s just to import torch in the child (it returns when ready)
+    deadline = time.monotonic() + 180
     while url is None and time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
