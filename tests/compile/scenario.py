@@ -1,7 +1,8 @@
 """A serving-like sequence of step calls that uses every given graph spec at least once.
 
 Prefills prompts of lengths that need each prefill bucket (one prompt is split into chunks, so
-a chunk starts at start_pos > 0), then runs decode steps at each decode batch bucket with a
+a chunk starts at start_pos > 0) and the bucket-defining prompts again over each prefill context
+bucket's shorter block table, then runs decode steps at each decode batch bucket with a
 padding row where the bucket allows one, mixing greedy and seeded sampled rows. Each call's
 sampled tokens feed the next call, so the same scenario run through two step implementations
 gives comparable outputs only if every call agrees.
@@ -21,7 +22,7 @@ def run(call, cfg, specs, vocab: int = VOCAB) -> list[tuple]:
     block and slot, which padded tokens of both implementations write in unspecified order).
     """
     MB = cfg.max_blocks_per_seq
-    prefill = sorted(s.tokens for s in specs if s.phase == "prefill")
+    prefill = sorted({s.tokens for s in specs if s.phase == "prefill"})  # token buckets (once per context)
     decode = sorted(s.batch for s in specs if s.phase == "decode")
     spec_of = {(s.phase, s.batch if s.phase == "decode" else s.tokens, s.sampling, s.context): s for s in specs}
     g = torch.Generator().manual_seed(1234)
@@ -70,6 +71,23 @@ def run(call, cfg, specs, vocab: int = VOCAB) -> list[tuple]:
             outs.append((o, 1))
             pos += chunk
         seqs.append({"slot": slot, "pos": length, "last": int(o[0][0]), "row": n})
+    # prefill over each shorter prefill context (block table cut to it): the bucket-defining
+    # prompts again, in one chunk each, where the context holds them
+    for c in sorted({s.context for s in specs if s.phase == "prefill" and s.context}):
+        for length in lengths[:len(prefill)]:
+            t = next(b for b in prefill if b >= length)
+            if length > c or ("prefill", t, "full", c) not in spec_of:
+                continue
+            n = len(seqs)
+            slot = n + 1
+            ids = torch.zeros(1, t, dtype=torch.int64)
+            ids[0, :length] = torch.randint(5, vocab, (length,), generator=g)
+            temp, top_p, top_k, min_p, seeds = sampling([n], 1)
+            inputs = (ids, torch.tensor([0]), torch.tensor([length]), block_row(slot)[None, :cfg.table_blocks(c)],
+                      torch.tensor([slot]), temp, top_p, top_k, min_p, seeds, torch.tensor([length]))
+            o = call(spec_of[("prefill", t, "full", c)], inputs)
+            outs.append((o, 1))
+            seqs.append({"slot": slot, "pos": length, "last": int(o[0][0]), "row": n})
     decode_runs = sorted({(s.batch, s.context, s.sampling) for s in specs if s.phase == "decode"})
     for b, context, kind in decode_runs:
         mb = cfg.table_blocks(context)
