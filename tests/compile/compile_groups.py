@@ -4,12 +4,15 @@ Everything is derived from the catalogue (`trnrt.compile.catalogue.expand`) of P
 flag set of FLAG_SETS, so a new bucket, preset setting or variant is picked up without editing
 this file. By TRNRT_TEST_COMPILE:
 
-- "buckets" (default, CI): every bucket of every preset (decode batch x context, prefill tokens x
-  context) with the full sampler and the base variant, plus ONE graph of every other kind (a
-  kind: phase x variant x sampler, e.g. greedy decode, a variant's decode or prefill): the first
-  of that kind in REPRESENTATIVE's catalogue (batch8's short-context greedy decode is what
-  `trnrt bench` runs). The other twins differ from a checked graph only in the sampler or the
-  variant; graph-equiv pins their hashes.
+- "kinds" (default, CI): REPRESENTATIVE's base graphs whole (every bucket and sampler of batch8:
+  what `trnrt serve --compiled` and the artifact cache load, and `trnrt bench` runs), plus ONE
+  graph of every other kind in any preset or flag set (a kind: phase x variant x sampler x
+  full-table-or-context-bucket, e.g. default's prefill over its short context table, a variant's
+  decode or prefill): the first of that kind in catalogue order. The other graphs differ from a
+  checked one only in a bucket size or the state sizes; graph-equiv pins their hashes, and
+  TRNRT_TEST_COMPILE=buckets compiles them.
+- "buckets": every bucket of every preset (decode batch x context, prefill tokens x context)
+  with the full sampler and the base variant, plus one graph of every other kind (as "kinds").
 - "every": every graph of every preset and flag set.
 - "subset": three of batch8's graphs (FAST_SUBSET), for a quick local run.
 
@@ -27,9 +30,9 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
-MODE = os.environ.get("TRNRT_TEST_COMPILE", "buckets")
-if MODE not in ("buckets", "every", "subset"):
-    raise ValueError(f"TRNRT_TEST_COMPILE must be buckets, every or subset, got {MODE!r}")
+MODE = os.environ.get("TRNRT_TEST_COMPILE", "kinds")
+if MODE not in ("kinds", "buckets", "every", "subset"):
+    raise ValueError(f"TRNRT_TEST_COMPILE must be kinds, buckets, every or subset, got {MODE!r}")
 SUBSET = MODE == "subset"
 
 PRESETS = ("default", "batch8")
@@ -50,7 +53,9 @@ class Graph:
     preset: str
     flags: tuple[str, ...]
     id: str
-    kind: tuple[str, str, str]  # (phase, variant, sampling)
+    # (phase, variant, sampling, over a context bucket): the context table is one kind only for the
+    # base graphs (a variant's graph over either table is the base graph's plus the same processors)
+    kind: tuple[str, str, str, bool | None]
     lock_hash: str | None  # tiny-dims hash in the preset's lock (None: not in the lock)
     cost: int  # estimated compile cost (graph nodes)
 
@@ -96,7 +101,8 @@ def catalogue() -> tuple[Graph, ...]:
                     continue  # compiled with the unflagged set
                 entry = lock.get(s.graph_id) if s.variant == BASE_VARIANT else None
                 cost = int(entry["nodes"]) if entry else biggest.get(s.phase, 0) or 3500
-                out.append(Graph(preset, tuple(sorted(flags)), s.graph_id, (s.phase, s.variant, s.sampling),
+                out.append(Graph(preset, tuple(sorted(flags)), s.graph_id, (s.phase, s.variant, s.sampling,
+                                                                    bool(s.context) if s.variant == BASE_VARIANT else None),
                                  entry["hash"] if entry else None, cost))
     return tuple(out)
 
@@ -111,10 +117,12 @@ def selected() -> tuple[Graph, ...]:
         return tuple(g for g in graphs if not g.flags and g.id in FAST_SUBSET.get(g.preset, ()))
     from trnrt.compile.catalogue import BASE_VARIANT
 
-    every_bucket = (BASE_VARIANT, "full")  # the kind compiled for every bucket
-    chosen = [g for g in graphs if g.kind[1:] == every_bucket]
-    kinds = {g.kind for g in graphs if g.kind[1:] != every_bucket}
-    for kind in sorted(kinds):
+    if MODE == "kinds":
+        chosen = [g for g in graphs if g.preset == REPRESENTATIVE and not g.flags]
+    else:  # every bucket with the full sampler and the base variant
+        chosen = [g for g in graphs if g.kind[1:3] == (BASE_VARIANT, "full")]
+    covered = {g.kind for g in chosen}
+    for kind in sorted({g.kind for g in graphs} - covered):
         of_kind = [g for g in graphs if g.kind == kind]
         rep = [g for g in of_kind if g.preset == REPRESENTATIVE] or of_kind
         chosen.append(rep[0])

@@ -41,8 +41,12 @@ def test_usage_errors_exit_2(tmp_path):
     assert compile_("--backend", "tpu", "--out", str(tmp_path)).exit_code == 2
     r = compile_("--preset", "no-such", "--out", str(tmp_path))
     assert r.exit_code == 2 and "unknown preset" in r.output
-    r = compile_("--preset", "batch8", "--structured-outputs", "--out", str(tmp_path))
-    assert r.exit_code == 2 and "no variant graph is defined for --structured-outputs" in r.output
+    # an unknown --only id is refused before anything is exported (the eager backend: nothing
+    # would be compiled even if the check were gone)
+    r = compile_("--preset", "batch8", "--structured-outputs", "--backend", "eager", "--out", str(tmp_path),
+                 "--only", "no-such-graph")
+    assert r.exit_code == 2 and "unknown graph id(s) ['no-such-graph']" in r.output
+    assert not any(tmp_path.iterdir())
 
 
 def test_neuron_backend_module_imports_without_sdk():

@@ -6,7 +6,7 @@ from compile_groups import Graph, jobs
 
 
 def _g(preset, gid, cost, lock_hash=None):
-    return Graph(preset, (), gid, ("decode", "base", "full"), lock_hash, cost)
+    return Graph(preset, (), gid, ("decode", "base", "full", False), lock_hash, cost)
 
 
 def test_jobs_balance_cost_and_keep_equal_graphs_together_source_first():
