@@ -312,9 +312,13 @@ class NeuronBackend(Backend):
         traced = torch.jit.load(str(art_dir / entry["artifact"]))
         st = [t for _, t in state_tensors(state)]
 
+        from .catalogue import BASE_VARIANT, get_variant
+
+        n_out = 4 if spec.variant == BASE_VARIANT else len(get_variant(spec.variant).output_names)
+
         def run(*inputs):
             out = traced(*inputs, *st)
-            return tuple(out)[-4:]
+            return tuple(out)[-n_out:]  # the step outputs follow the state tensors
 
         return run
 

@@ -5,10 +5,16 @@ exactly these, `trnrt verify graph-equiv` hashes exactly these, and the ModelRun
 these. It is pure and deterministic (it computes nothing with torch; GraphSpec's module imports it).
 
 Variants: a feature flag that needs extra device inputs (structured outputs, penalties) adds
-*variant* graphs; it never changes the base graphs. Every enabled flag set compiles one superset
-variant per base spec of the phases the flags touch (named by the sorted flags joined with "+"),
-and the runner feeds neutral inputs to rows that do not use a feature. So #graphs = #base specs +
-#base specs of the touched phases, not 2^flags.
+*variant* graphs; it never changes the base graphs. The enabled logits-processor flags compile one
+superset variant per base spec of the phases they touch (named by the sorted flags joined with
+"+"), and the runner feeds neutral inputs to rows that do not use a feature. So #graphs = #base
+specs + #base specs of the touched phases, not 2^flags.
+
+`prompt_logprobs` is not a logits processor but another output (every position's logprob, from
+all-position logits: a [S, V] head GEMM a plain prefill does not pay), so it adds its own prefill
+graphs, one per base prefill spec, named by ALL the enabled flags ("prompt_logprobs", or e.g.
+"penalties+prompt_logprobs" carrying the processors too): only a prompt chunk of a request that
+asked for prompt logprobs runs in them; every other row runs in the graphs it ran before.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from trnrt.config.engine_config import EngineConfig
-from trnrt.engine.step import SAMPLERS, GraphSpec
+from trnrt.engine.step import SAMPLERS, STEP_OUTPUT_NAMES, GraphSpec
 
 BASE_VARIANT = "base"
 PHASES = ("decode", "prefill")  # "verify" and "draft" arrive with MTP
@@ -47,13 +53,15 @@ class VariantDef:
     example_extra_inputs: Callable
     extra_input_names: tuple[str, ...] = ()
     flags: frozenset[str] = field(default_factory=frozenset)
+    output_names: tuple[str, ...] = STEP_OUTPUT_NAMES
 
 
 # Flag sets -> definitions registered explicitly (tests); every other flag set whose flags all
 # have a logits processor (trnrt.engine.logits_processors) is derived from them on first use.
 _VARIANTS: dict[frozenset[str], VariantDef] = {}
 # Flags the command line accepts; a known flag without a registered variant is reported as such.
-KNOWN_FLAGS = ("structured_outputs", "penalties")
+KNOWN_FLAGS = ("structured_outputs", "penalties", "prompt_logprobs")
+PROMPT_LOGPROBS = "prompt_logprobs"  # the output flag: its own prefill graphs (see the module docstring)
 
 
 def variant_name(flags: Iterable[str]) -> str:
@@ -82,7 +90,7 @@ def unregister_variant(flags: Iterable[str]) -> None:
 def get_variant(name_or_flags) -> VariantDef:
     """The definition of a variant, by name ("a+b") or flag set."""
     fs = frozenset(name_or_flags.split("+")) if isinstance(name_or_flags, str) else frozenset(name_or_flags)
-    vd = _VARIANTS.get(fs) or _processor_variant(fs)
+    vd = _VARIANTS.get(fs) or (_prompt_variant(fs) if PROMPT_LOGPROBS in fs else _processor_variant(fs))
     if vd is None:
         raise UnknownVariantError(no_variant_message(fs))
     return vd
@@ -109,6 +117,34 @@ def _processor_variant(fs: frozenset[str]) -> VariantDef | None:
 
     return VariantDef(name=variant_name(fs), phases=phases, make_step=make_step, example_extra_inputs=example_extra,
                       extra_input_names=extra_input_names(flags), flags=flags)
+
+
+def _prompt_variant(fs: frozenset[str]) -> VariantDef | None:
+    """The prompt-logprobs prefill variant of `fs`: the prefill step with all-position logprobs,
+    carrying the other flags' processors. None when one of them has no processor."""
+    from trnrt.engine import logits_processors as lp
+    from trnrt.engine.prompt_logprobs import (PROMPT_OUTPUT_NAMES, PromptLogprobsStepFunction,
+                                              prompt_extra_example_inputs, prompt_extra_input_names)
+
+    others = fs - {PROMPT_LOGPROBS}
+    if any(lp.processor(f) is None for f in others):
+        return None
+    flags = frozenset(fs)
+
+    def make_step(model, state, engine_config):
+        return PromptLogprobsStepFunction(model, state, engine_config.max_top_logprobs, flags=flags)
+
+    def example_extra(spec, engine_config, vocab_size, device):
+        return prompt_extra_example_inputs(flags, spec.batch, spec.tokens, vocab_size, device)
+
+    return VariantDef(name=variant_name(fs), phases=("prefill",), make_step=make_step,
+                      example_extra_inputs=example_extra, extra_input_names=prompt_extra_input_names(flags),
+                      flags=flags, output_names=STEP_OUTPUT_NAMES + PROMPT_OUTPUT_NAMES)
+
+
+def processor_flags(flags: Iterable[str]) -> frozenset[str]:
+    """The flags of `flags` that are logits processors (all but prompt_logprobs)."""
+    return frozenset(flags) - {PROMPT_LOGPROBS}
 
 
 def no_variant_message(flags: Iterable[str]) -> str:
@@ -145,11 +181,16 @@ def expand(config: EngineConfig, flags: Iterable[str] | None = None) -> list:
     Raises UnknownVariantError when the flag set has no registered variant.
     """
     fs = frozenset(config.variants if flags is None else flags)
-    specs = base_specs(config)
-    if fs:
-        vd = get_variant(fs)
+    base = base_specs(config)
+    specs = list(base)
+    variants = []
+    if processor_flags(fs):
+        variants.append(get_variant(processor_flags(fs)))
+    if PROMPT_LOGPROBS in fs:
+        variants.append(get_variant(fs))
+    for vd in variants:
         specs += [GraphSpec(s.phase, s.batch, s.tokens, vd.name, s.sampling, s.context)
-                  for s in list(specs) if s.phase in vd.phases]
+                  for s in base if s.phase in vd.phases]
     return sorted(specs, key=spec_sort_key)
 
 

@@ -217,7 +217,8 @@ def export_spec(model: nn.Module, state: Any, engine_config: EngineConfig, spec:
     names = input_names(spec, state)
     in_meta = [{"name": n, **_tensor_meta(t)} for n, t in zip(names, list(inputs) + st)]
     out_vals = [n.meta.get("val") for n in _output_nodes(ep)]
-    out_names = list(STEP_OUTPUT_NAMES) + [f"out{i}" for i in range(len(STEP_OUTPUT_NAMES), len(out_vals))]
+    step_out = STEP_OUTPUT_NAMES if spec.variant == BASE_VARIANT else get_variant(spec.variant).output_names
+    out_names = list(step_out) + [f"out{i}" for i in range(len(step_out), len(out_vals))]
     out_meta = [{"name": n, **_tensor_meta(v)} for n, v in zip(out_names, out_vals) if isinstance(v, torch.Tensor)]
     return ExportedGraph(spec=spec, program=ep, inputs=in_meta, outputs=out_meta, export_s=dt)
 

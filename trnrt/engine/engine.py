@@ -71,6 +71,10 @@ PENALTIES = "penalties"  # the feature flag (and variant) of penalties, logit_bi
 PENALTIES_OFF_MESSAGE = "{param} needs penalties: start the server with --penalties"
 
 
+PROMPT_LOGPROBS = "prompt_logprobs"  # the feature flag (and prefill variant) of prompt logprobs
+PROMPT_LOGPROBS_OFF_MESSAGE = "{param} needs prompt logprobs: start the server with --prompt-logprobs"
+
+
 def with_flag(ecfg: EngineConfig, flag: str, on: bool) -> EngineConfig:
     """`ecfg` with the variant flag `flag` added (on) or left as it is."""
     if not on or flag in ecfg.variants:
@@ -303,6 +307,10 @@ class Engine:
         # each live request's PenaltyState / ThinkingBudget (engine thread).
         self.penalties = PENALTIES in engine_config.variants
         self._penalties: dict = {}
+        # Prompt logprobs (engine_config.variants holds "prompt_logprobs"): each live request's
+        # PromptLogprobCollector until its first output carries the entries (engine thread).
+        self.prompt_logprobs = PROMPT_LOGPROBS in engine_config.variants
+        self._prompt_lps: dict = {}
         self._thinking: dict = {}
         self._think_ids = (special_token_id(tokenizer, "<think>"), special_token_id(tokenizer, "</think>"))
         self.num_forced_think_ends = 0
@@ -388,6 +396,7 @@ class Engine:
         prefix_cache_config: "PrefixCacheConfig | None" = None,
         structured_outputs: bool = False,
         penalties: bool = False,
+        prompt_logprobs: bool = False,
     ) -> "Engine":
         """Load the checkpoint (None: the embedded tiny model) and start the engine thread.
 
@@ -420,6 +429,7 @@ class Engine:
                                      max_running_requests=max_running_requests, context_length=context_length,
                                      compiled=compiled_loader is not None)
         ecfg = with_flag(with_structured_outputs(ecfg, structured_outputs), PENALTIES, penalties)
+        ecfg = with_flag(ecfg, PROMPT_LOGPROBS, prompt_logprobs)
         dtype = getattr(torch, ecfg.dtype)
         model = load_model(path, dtype=dtype, device=device)
         mcfg = model.config
@@ -474,6 +484,7 @@ class Engine:
         scheduler_config: SchedulerConfig | None = None,
         structured_outputs: bool = False,
         penalties: bool = False,
+        prompt_logprobs: bool = False,
     ) -> "Engine":
         """An Engine whose runner replays `script(prompt_ids)` (trnrt.engine.scripted_runner)
         instead of running a model: everything else (scheduler, stop checks, detokenizer, streams,
@@ -495,6 +506,7 @@ class Engine:
         if num_blocks is not None:
             ecfg = ecfg.replace(num_blocks=num_blocks)
         ecfg = with_flag(with_structured_outputs(ecfg, structured_outputs), PENALTIES, penalties)
+        ecfg = with_flag(ecfg, PROMPT_LOGPROBS, prompt_logprobs)
         if max_num_batched_tokens is not None:
             scfg = dataclasses.replace(scfg, max_num_batched_tokens=max_num_batched_tokens)
         if eos_token_ids is None:
@@ -563,6 +575,16 @@ class Engine:
         self._prepare_grammar(request)
         self._prepare_penalties(request)
         self._prepare_thinking(request)
+        sp = request.sampling_params
+        if sp.prompt_logprobs is not None:
+            if not self.prompt_logprobs:
+                raise InvalidRequestError(PROMPT_LOGPROBS_OFF_MESSAGE.format(param="prompt_logprobs"),
+                                          field="prompt_logprobs")
+            if sp.prompt_logprobs_start >= len(request.prompt_token_ids):
+                raise InvalidRequestError(
+                    f"prompt_logprobs_start ({sp.prompt_logprobs_start}) must be less than the prompt's "
+                    f"{len(request.prompt_token_ids)} tokens", field="prompt_logprobs_start")
+            request.prefix_group = None  # computed on its own: a fork would not compute the prompt
         if request.sampling_params.seed is None:
             # Unseeded requests still get a per-request seed: the in-graph sampler keys its noise
             # on (seed, position), so even random sampling is independent of batch composition.
@@ -882,6 +904,11 @@ class Engine:
         if request.thinking_state is not None:
             self._thinking[rid] = request.thinking_state
             request.thinking_state = None
+        if sp.prompt_logprobs is not None:
+            from trnrt.engine.prompt_logprob_collector import PromptLogprobCollector
+
+            self._prompt_lps[rid] = PromptLogprobCollector(request.prompt_token_ids, sp.prompt_logprobs,
+                                                           sp.prompt_logprobs_start)
         self._detoks[rid] = IncrementalDetokenizer(
             self._decoder, request.prompt_token_ids, skip_special_tokens=sp.skip_special_tokens, stop=sp.stop,
             stop_regex=sp.stop_regex, include_stop_str_in_output=sp.include_stop_str_in_output,
@@ -903,6 +930,7 @@ class Engine:
 
     def _release_runner(self, rid: str) -> None:
         self._grammars.pop(rid, None)
+        self._prompt_lps.pop(rid, None)
         self._penalties.pop(rid, None)
         self._thinking.pop(rid, None)
         release = getattr(self.runner, "release", None)
@@ -1047,6 +1075,11 @@ class Engine:
                 token_bitmask=self._grammar_mask(s.request_id) if s.do_sample and self._grammars else None,
                 penalties=self._penalties.get(s.request_id) if s.do_sample and self._penalties else None,
             ))
+            if self._prompt_lps and s.is_prefill:
+                col = self._prompt_lps.get(s.request_id)
+                if col is not None:
+                    rows[-1].prompt_next_ids = col.next_ids(s.num_computed_tokens, len(s.token_ids))
+                    rows[-1].num_prompt_logprobs = col.num_top
         try:
             results = self.runner.execute(rows)
         except Exception as e:  # the step failed: fail the requests in it, keep serving the rest
@@ -1063,6 +1096,13 @@ class Engine:
         # A runner may fail single rows (RowResult.error): those requests finish with the error.
         failed = {s.request_id: r.error for s, r in zip(sched_out.scheduled, results)
                   if getattr(r, "error", None) is not None}
+        if self._prompt_lps:
+            for s, row, r in zip(sched_out.scheduled, rows, results):
+                if row.prompt_next_ids is not None and s.request_id not in failed:
+                    if r.prompt_logprobs is None or len(r.prompt_logprobs) != len(row.token_ids):
+                        failed[s.request_id] = "the model runner returned no prompt logprobs"
+                    else:
+                        self._prompt_lps[s.request_id].record(s.num_computed_tokens, r.prompt_logprobs)
         sampled = [r.token_id if s.do_sample else None for s, r in zip(sched_out.scheduled, results)]
         logprobs = [r.logprob if s.do_sample else None for s, r in zip(sched_out.scheduled, results)]
         if self._thinking:
@@ -1157,6 +1197,11 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens, num_cached_tokens_host=seq.num_cached_tokens_host,
         )
+        if self._prompt_lps:
+            col = self._prompt_lps.pop(rid, None)
+            if col is not None:  # the first output after the prompt: every position was scored
+                col.delivered = True
+                out.prompt_logprobs = col.entries()
         if reason is None:
             stream.put(out)
             return

@@ -66,17 +66,28 @@ class ModelRunner:
         self.compiled = compiled or {}
         self.num_graph_calls: dict[str, int] = {}
         self._bufs: dict[tuple[int, int, int], _InputBuffers] = {}
-        # The enabled feature flags' superset variant ("" = none): a batch with a row that needs
-        # one of them runs in it, with neutral inputs for the other rows; see _variant_of.
-        self.variant = "+".join(sorted(set(engine_config.variants)))
-        self.processors = logits_processors.processors_for(engine_config.variants) if self.variant else []
-        self._extra_bufs: dict[tuple[str, int], tuple] = {}
+        # The enabled logits-processor flags' superset variant ("" = none): a batch with a row
+        # that needs one of them runs in it, with neutral inputs for the other rows; see _variant_of.
+        from trnrt.compile.catalogue import PROMPT_LOGPROBS, processor_flags, variant_name
+
+        procs = processor_flags(engine_config.variants)
+        self.variant = "+".join(sorted(procs))
+        self.processors = logits_processors.processors_for(procs) if self.variant else []
+        self._extra_bufs: dict[tuple, tuple] = {}
         if self.variant:
             from trnrt.engine.variant_step import VariantStepFunction
 
             for sampling in SAMPLERS:
                 self.step_fns[(self.variant, sampling)] = VariantStepFunction(
-                    model, state, engine_config.max_top_logprobs, engine_config.variants, sampling)
+                    model, state, engine_config.max_top_logprobs, procs, sampling)
+        # Prompt logprobs: a prompt chunk of a request that asked for them (RowInput.prompt_next_ids)
+        # runs in this prefill variant (all the flags: it carries the processors too).
+        self.prompt_variant = variant_name(engine_config.variants) if PROMPT_LOGPROBS in engine_config.variants else None
+        if self.prompt_variant:
+            from trnrt.engine.prompt_logprobs import PromptLogprobsStepFunction
+
+            self.step_fns[(self.prompt_variant, "full")] = PromptLogprobsStepFunction(
+                model, state, engine_config.max_top_logprobs, flags=engine_config.variants)
 
     # -- padding -----------------------------------------------------------------------------
 
@@ -143,14 +154,22 @@ class ModelRunner:
         in persistent host buffers per (variant, batch) like the base inputs."""
         if spec.variant == "base":
             return ()
-        key = (spec.variant, spec.batch)
+        prompt = spec.variant == self.prompt_variant
+        key = (spec.variant, spec.batch, spec.tokens if prompt else 0)
         bufs = self._extra_bufs.get(key)
         if bufs is None:
             arrays = [p.host_buffers(spec.batch, self.vocab_size) for p in self.processors]
+            if prompt:  # next_ids [B, S] int64, after the processors' inputs
+                arrays.append((np.zeros((spec.batch, spec.tokens), np.int64),))
             bufs = self._extra_bufs[key] = (arrays, tuple(torch.from_numpy(a) for arr in arrays for a in arr))
         arrays, tensors = bufs
         for p, arr in zip(self.processors, arrays):
             p.pack(arr, [p.row_value(r) for r in rows])
+        if prompt:
+            (nxt,) = arrays[-1]
+            nxt.fill(0)
+            for i, r in enumerate(rows):
+                nxt[i, : len(r.prompt_next_ids)] = r.prompt_next_ids
         if self.device.type != "cpu":
             return tuple(t.to(self.device) for t in tensors)
         return tensors
@@ -165,10 +184,13 @@ class ModelRunner:
         fn = self._step_fn(spec)
         self.num_graph_calls[spec.graph_id] = self.num_graph_calls.get(spec.graph_id, 0) + 1
         if torch.is_inference_mode_enabled():  # the engine thread runs in inference mode throughout
-            token_ids, token_lp, top_ids, top_lp = fn(*inputs)
+            outs = fn(*inputs)
         else:
             with torch.inference_mode():
-                token_ids, token_lp, top_ids, top_lp = fn(*inputs)
+                outs = fn(*inputs)
+        token_ids, token_lp, top_ids, top_lp = outs[:4]
+        if spec.variant == self.prompt_variant and spec.variant is not None:
+            return self._with_prompt_logprobs(rows, outs)
         ids = token_ids.tolist()
         results = []
         if all(r.num_logprobs is None for r in rows):
@@ -182,6 +204,26 @@ class ModelRunner:
                 k = r.num_logprobs
                 lp = TokenLogprob(token_id=ids[i], logprob=lps[i], top=list(zip(tids[i][:k], tlps[i][:k])))
             results.append(RowResult(token_id=ids[i], logprob=lp))
+        return results
+
+    def _with_prompt_logprobs(self, rows: list[RowInput], outs) -> list[RowResult]:
+        """RowResults of a prompt-logprobs prefill graph: the sampled token (and its logprobs) as
+        in the base graph, plus each fed position's prompt logprob and top-N."""
+        token_ids, token_lp, top_ids, top_lp, p_tok, p_ids, p_lp = outs
+        results = []
+        for i, r in enumerate(rows):
+            lp = None
+            if r.num_logprobs is not None:
+                k = r.num_logprobs
+                lp = TokenLogprob(token_id=int(token_ids[i]), logprob=float(token_lp[i]),
+                                  top=list(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist())))
+            res = RowResult(token_id=int(token_ids[i]), logprob=lp)
+            n, k = len(r.token_ids), r.num_prompt_logprobs
+            if r.prompt_next_ids is not None:
+                toks, ids, lps = p_tok[i, :n].tolist(), p_ids[i, :n, :k].tolist(), p_lp[i, :n, :k].tolist()
+                res.prompt_logprobs = [TokenLogprob(token_id=t, logprob=toks[j], top=list(zip(ids[j], lps[j])))
+                                       for j, t in enumerate(r.prompt_next_ids)]
+            results.append(res)
         return results
 
     def _sampling(self, rows: list[RowInput], context: int) -> str:
@@ -271,8 +313,9 @@ class ModelRunner:
         get a result too; the caller ignores it). Raises if the step fails (the engine then fails
         every request of the step); `RowResult.error` is never set by this runner."""
         results: list[RowResult | None] = [None] * len(rows)
-        decode = [i for i, r in enumerate(rows) if len(r.token_ids) == 1]
-        prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
+        # a prompt chunk that wants prompt logprobs runs in the prefill graph even with one token
+        decode = [i for i, r in enumerate(rows) if len(r.token_ids) == 1 and r.prompt_next_ids is None]
+        prefill = [i for i, r in enumerate(rows) if len(r.token_ids) > 1 or r.prompt_next_ids is not None]
         maxb = self.cfg.max_decode_batch
         for k in range(0, len(decode), maxb):
             idx = decode[k : k + maxb]
@@ -287,5 +330,6 @@ class ModelRunner:
             tokens = self.cfg.prefill_bucket(len(r.token_ids))
             # the short table must hold the sequence after this chunk and the padded chunk itself
             context = self.cfg.prefill_context_bucket(max(r.start_pos + len(r.token_ids), tokens))
-            results[i] = self._run(GraphSpec("prefill", 1, tokens, self._variant_of([r]), context=context), [r])[0]
+            variant = self.prompt_variant if r.prompt_next_ids is not None else self._variant_of([r])
+            results[i] = self._run(GraphSpec("prefill", 1, tokens, variant, context=context), [r])[0]
         return results  # type: ignore[return-value]

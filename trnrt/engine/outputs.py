@@ -46,6 +46,10 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (both tiers)
     num_cached_tokens_host: int = 0  # of those, tokens brought back from the host tier
     error: str | None = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs), on the request's first output only: one
+    # entry per prompt position from SamplingParams.prompt_logprobs_start on, the prompt token's
+    # logprob given the tokens before it with the top-N alternatives; position 0's entry is None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 # -- Engine <-> runner (one row per scheduled sequence) ----------------------------------------
@@ -77,6 +81,12 @@ class RowInput:
     token_bitmask: Any = None  # structured outputs: [ceil(V/32)] int32, xgrammar's packed mask
     # penalties: the request's trnrt.engine.penalties.PenaltyState (fills the dense scale/bias rows)
     penalties: Any = None
+    # Prompt logprobs: the token each fed position predicts (the next prompt token; any id where
+    # none is wanted), len(token_ids) of them, and the top-N width. Set only on prompt chunks of a
+    # request that asked for prompt logprobs: the row then runs in the prompt-logprobs prefill
+    # graph (even a one-token chunk) and its RowResult carries `prompt_logprobs`.
+    prompt_next_ids: list[int] | None = None
+    num_prompt_logprobs: int = 0
 
 
 @dataclass
@@ -91,6 +101,9 @@ class RowResult:
     token_id: int
     logprob: TokenLogprob | None = None
     error: str | None = None
+    # RowInput.prompt_next_ids set: per fed position i, the logprob of prompt_next_ids[i] and the
+    # top-N (num_prompt_logprobs) alternatives at i.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 # -- Scheduler <-> ModelRunner --------------------------------------------------------------

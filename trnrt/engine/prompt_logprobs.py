@@ -22,11 +22,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trnrt.engine.step import StepFunction
+from trnrt.engine.step import STEP_INPUT_NAMES, StepFunction
+
+_NUM_BASE = len(STEP_INPUT_NAMES)
 
 PROMPT_LOGPROBS = "prompt_logprobs"  # the feature flag (and variant) name
 PROMPT_INPUT_NAMES = ("next_ids",)  # [B, S] int64, after STEP_INPUT_NAMES
-PROMPT_OUTPUT_NAMES = ("prompt_token_logprobs", "prompt_top_ids", "prompt_top_logprobs")
+PROMPT_OUTPUT_NAMES = ("prompt_token_logprobs", "prompt_top_ids", "prompt_top_logprobs")  # after STEP_OUTPUT_NAMES
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, num_top: int):
@@ -40,18 +42,50 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, num_top: int):
 
 
 class PromptLogprobsStepFunction(StepFunction):
-    """The prefill StepFunction + every position's logprobs (see the module docstring)."""
+    """The prefill StepFunction + every position's logprobs (see the module docstring).
 
-    def forward(self, input_ids, start_pos, num_new, block_tables, slot_ids, temperature, top_p, top_k, min_p,
-                seeds, sample_pos, next_ids):
+    `flags`: the logits processors' flags also enabled (structured outputs, penalties): their
+    processors run on the sampled token's logits as in their own variant (inputs after the base
+    inputs, in chain order, then `next_ids`); the prompt logprobs are of the raw distribution."""
+
+    def __init__(self, model, state, num_top_logprobs: int, sampling: str = "full", flags=()):
+        super().__init__(model, state, num_top_logprobs, sampling)
+        from trnrt.engine.logits_processors import processors_for
+
+        self.processors = processors_for([f for f in flags if f != PROMPT_LOGPROBS])
+
+    def forward(self, *inputs: torch.Tensor):
         from trnrt.models.glm5_next.model import ForwardBatch
 
+        base, extra, next_ids = inputs[:_NUM_BASE], inputs[_NUM_BASE:-1], inputs[-1]
+        input_ids, start_pos, num_new, block_tables, slot_ids = base[:5]
         batch = ForwardBatch(input_ids=input_ids, start_pos=start_pos, num_new=num_new, block_tables=block_tables,
                              slot_ids=slot_ids)
         out = self.model(batch, self.state, all_logits=True)  # logits [B, S, V], hidden [B, D] at the last token
         # the sampled token: the base graph's arithmetic (last hidden state -> head), not a row
         # of the all-position GEMM, so it samples exactly what the base prefill samples
         last = F.linear(out.hidden, self.model.head_weight()).float()  # [B, V]
-        sampled = self.sample_logits(last, input_ids, start_pos, num_new, block_tables, slot_ids, temperature,
-                                     top_p, top_k, min_p, seeds, sample_pos)
+        k = 0
+        for p in self.processors:
+            n = len(p.input_names)
+            last = p.apply(last, *extra[k:k + n])
+            k += n
+        sampled = self.sample_logits(last, *base)
         return (*sampled, *prompt_logprobs(out.logits, next_ids, self.num_top_logprobs))
+
+
+def prompt_extra_input_names(flags) -> tuple[str, ...]:
+    """The extra inputs of the prompt-logprobs variant of `flags`: the processors', then next_ids."""
+    from trnrt.engine.logits_processors import processors_for
+
+    procs = processors_for([f for f in flags if f != PROMPT_LOGPROBS])
+    return tuple(n for p in procs for n in p.input_names) + PROMPT_INPUT_NAMES
+
+
+def prompt_extra_example_inputs(flags, batch: int, tokens: int, vocab_size: int, device) -> tuple[torch.Tensor, ...]:
+    """Neutral extra inputs of that variant (every processor neutral, next_ids 0)."""
+    from trnrt.engine.logits_processors import processors_for
+
+    procs = processors_for([f for f in flags if f != PROMPT_LOGPROBS])
+    return (tuple(t for p in procs for t in p.example_inputs(batch, vocab_size, device))
+            + (torch.zeros((batch, tokens), dtype=torch.int64, device=device),))

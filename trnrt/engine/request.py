@@ -65,6 +65,14 @@ class SamplingParams:
     # engine emits `</think>` instead of the sampled token (vLLM's thinking_token_budget, SGLang's
     # max_thinking_tokens). None: unlimited. Host-only: no graph needed.
     max_thinking_tokens: int | None = None
+    # Prompt logprobs (vLLM's prompt_logprobs, SGLang's logprob_start_len >= 0, completions echo
+    # with logprobs): None = off; N = each prompt position's token logprob plus the top-N
+    # alternatives (0: the token's only), from position `prompt_logprobs_start` on (position 0 has
+    # none: nothing precedes it). Needs an engine started with prompt logprobs (the
+    # "prompt_logprobs" prefill variant graphs); such a request bypasses the prefix cache, whose
+    # cached positions have no logits.
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
 
     MAX_TOP_LOGPROBS = 20
     MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
@@ -139,6 +147,12 @@ class SamplingParams:
         mt = self.max_thinking_tokens
         if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 0):
             bad("max_thinking_tokens", f"must be a non-negative integer, got {mt!r}")
+        pl = self.prompt_logprobs
+        if pl is not None and (not isinstance(pl, int) or isinstance(pl, bool) or not (0 <= pl <= self.MAX_TOP_LOGPROBS)):
+            bad("prompt_logprobs", f"must be an integer in [0, {self.MAX_TOP_LOGPROBS}], got {pl!r}")
+        ps = self.prompt_logprobs_start
+        if not isinstance(ps, int) or isinstance(ps, bool) or ps < 0:
+            bad("prompt_logprobs_start", f"must be a non-negative integer, got {ps!r}")
         if self.logprobs is not None:
             if not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not (0 <= self.logprobs <= self.MAX_TOP_LOGPROBS):
                 bad("logprobs", f"must be an integer in [0, {self.MAX_TOP_LOGPROBS}], got {self.logprobs!r}")

@@ -245,7 +245,10 @@ class Scheduler:
         seq.priority = request.priority
         seq.cache_namespace = request.cache_salt
         refusal = policy.priority_refusal(request.priority, self.config)
-        if refusal is None and request.sampling_params.max_new_tokens != 0:
+        # max_new_tokens 0 ends at once, unless the prompt's logprobs are wanted (scoring a prompt):
+        # then the prompt runs and the request ends where its first token would be sampled
+        runs = request.sampling_params.max_new_tokens != 0 or request.sampling_params.prompt_logprobs is not None
+        if refusal is None and runs:
             ok, displaced = policy.queue_admission(self.waiting, seq, self.config)
             if not ok:
                 refusal = policy.QUEUE_FULL_MESSAGE
@@ -258,14 +261,15 @@ class Scheduler:
             seq.finish_reason = FinishReason("abort", message=refusal, status_code=503)
             seq.finished_time_s = now
             return seq
-        if request.sampling_params.max_new_tokens == 0:
+        if not runs:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = FinishReason("length")
             seq.finished_time_s = now
             return seq
         self.requests[seq.request_id] = seq
         group = request.prefix_group
-        if group is not None and self.prefix_cache is not None and seq.num_prompt_tokens > 1:
+        if (group is not None and self.prefix_cache is not None and seq.num_prompt_tokens > 1
+                and request.sampling_params.prompt_logprobs is None):
             g = self._groups.get(group)
             if g is None:
                 self._groups[group] = _ForkGroup(name=group, leader=seq, fork_pos=seq.num_prompt_tokens - 1)
@@ -556,7 +560,7 @@ class Scheduler:
 
     def _match_for_policy(self, seq: Sequence):
         """(matched tokens, node) for the cache-aware policies; touches nothing, locks nothing."""
-        if seq.num_tokens < 2:
+        if seq.num_tokens < 2 or seq.sampling_params.prompt_logprobs is not None:
             return 0, None
         m = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1), touch=False,
                                     namespace=seq.cache_namespace)
@@ -626,6 +630,8 @@ class Scheduler:
         that the chunk size is computed from there; `_unmatch` undoes both."""
         if self.prefix_cache is None or seq.num_computed_tokens or seq.num_tokens < 2:
             return None
+        if seq.sampling_params.prompt_logprobs is not None:
+            return None  # every prompt position must be computed for its logprob
         m = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1), namespace=seq.cache_namespace)
         if m.num_tokens == 0:
             return None
@@ -827,6 +833,11 @@ class Scheduler:
                 self._commit_fork(seq)
             if not entry.do_sample:
                 continue  # partial prefill chunk: state written, nothing sampled
+            if seq.sampling_params.max_new_tokens == 0:  # a prompt scored for its logprobs only
+                reason = FinishReason("length")
+                self._finish(seq, reason)
+                updates.append(SequenceUpdate(seq, finish_reason=reason))
+                continue
             seq.append_token(int(token), lp)
             if seq.first_token_time_s is None:
                 seq.first_token_time_s = now

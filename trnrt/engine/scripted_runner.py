@@ -21,7 +21,8 @@ How rows map to requests (`RowInput.request_id`, `RowInput.do_sample`):
   scripted token the mask forbids is replaced by an EOS id when one is allowed, else by the
   lowest allowed id (`num_masked_tokens` counts the replacements).
 - Logprobs are deterministic fake values: the chosen token first among `top`, `num_logprobs`
-  entries, decreasing.
+  entries, decreasing. Prompt logprobs (a row with `prompt_next_ids`) likewise, per fed position
+  q: `prompt_logprob(q)` for the predicted id, first among `num_prompt_logprobs` entries.
 
 Per-request records are dropped by `release()`, which the Engine calls whenever a request
 finishes, so the runner holds state only for live requests.
@@ -233,6 +234,23 @@ class ScriptedRunner:
         return None
 
     def _row(self, row: RowInput) -> RowResult:
+        res = self._row_tokens(row)
+        if row.prompt_next_ids is not None and res.error is None:
+            res.prompt_logprobs = [self._prompt_logprob(row.start_pos + i, t, row.num_prompt_logprobs)
+                                   for i, t in enumerate(row.prompt_next_ids)]
+        return res
+
+    @staticmethod
+    def prompt_logprob(position: int) -> float:
+        """The fake logprob the runner reports for the prompt token after `position`."""
+        return -1.0 - 0.01 * (position % 50)
+
+    def _prompt_logprob(self, q: int, token: int, n: int) -> TokenLogprob:
+        lp = self.prompt_logprob(q)
+        top = [(token, lp)] + [((token + k) % self.vocab_size, lp - 0.5 * k) for k in range(1, max(n, 1))]
+        return TokenLogprob(token_id=token, logprob=lp, top=top[:n])
+
+    def _row_tokens(self, row: RowInput) -> RowResult:
         rid = row.request_id
         rec = self._records.get(rid)
         state_error = self._state(row)

@@ -26,6 +26,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     token_ids: list[int] = []
     text = []
     logprobs = None
+    prompt_lp = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
     for o in outputs:
         token_ids.extend(o.new_token_ids)
         text.append(o.new_text)
@@ -34,7 +35,8 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     return RequestOutput(
         last.request_id, new_token_ids=token_ids, new_text="".join(text), new_logprobs=logprobs,
         finished=last.finished, finish_reason=last.finish_reason, num_prompt_tokens=last.num_prompt_tokens,
-        num_output_tokens=last.num_output_tokens, num_cached_tokens=last.num_cached_tokens, error=last.error,
+        num_output_tokens=last.num_output_tokens, num_cached_tokens=last.num_cached_tokens,
+        num_cached_tokens_host=last.num_cached_tokens_host, error=last.error, prompt_logprobs=prompt_lp,
     )
 
 
