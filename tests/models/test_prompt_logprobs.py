@@ -150,6 +150,8 @@ def test_engine_prompt_logprobs_equal_transformers_chunked_and_cached(engine_dir
             got = torch.tensor([e.logprob for e in pl[1:]])
             assert [e.token_id for e in pl[1:]] == ids[1:].tolist()
             worst = max(worst, (got - ref_tok).abs().max().item())
+            ref_rank = (logp[:-1] > ref_tok[:, None]).sum(-1) + 1  # [L-1]
+            assert [e.rank for e in pl[1:]] == ref_rank.tolist()
             for p in range(1, L):
                 assert [t for t, _ in pl[p].top] == ref_top_ids[p - 1].tolist(), p
                 torch.testing.assert_close(torch.tensor([v for _, v in pl[p].top]), ref_top_lp[p - 1], atol=TOL, rtol=0)

@@ -209,7 +209,7 @@ class ModelRunner:
     def _with_prompt_logprobs(self, rows: list[RowInput], outs) -> list[RowResult]:
         """RowResults of a prompt-logprobs prefill graph: the sampled token (and its logprobs) as
         in the base graph, plus each fed position's prompt logprob and top-N."""
-        token_ids, token_lp, top_ids, top_lp, p_tok, p_ids, p_lp = outs
+        token_ids, token_lp, top_ids, top_lp, p_tok, p_ids, p_lp, p_rank = outs
         results = []
         for i, r in enumerate(rows):
             lp = None
@@ -221,8 +221,9 @@ class ModelRunner:
             n, k = len(r.token_ids), r.num_prompt_logprobs
             if r.prompt_next_ids is not None:
                 toks, ids, lps = p_tok[i, :n].tolist(), p_ids[i, :n, :k].tolist(), p_lp[i, :n, :k].tolist()
-                res.prompt_logprobs = [TokenLogprob(token_id=t, logprob=toks[j], top=list(zip(ids[j], lps[j])))
-                                       for j, t in enumerate(r.prompt_next_ids)]
+                ranks = p_rank[i, :n].tolist()
+                res.prompt_logprobs = [TokenLogprob(token_id=t, logprob=toks[j], top=list(zip(ids[j], lps[j])),
+                                                    rank=ranks[j]) for j, t in enumerate(r.prompt_next_ids)]
             results.append(res)
         return results
 

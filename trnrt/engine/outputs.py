@@ -20,9 +20,14 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    # 1 + the number of tokens more likely than token_id (prompt logprobs only; vLLM's rank)
+    rank: int | None = None
 
     def to_dict(self) -> dict:
-        return {"token_id": self.token_id, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+        d = {"token_id": self.token_id, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+        if self.rank is not None:
+            d["rank"] = self.rank
+        return d
 
 
 @dataclass

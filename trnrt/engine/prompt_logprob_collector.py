@@ -51,7 +51,7 @@ class PromptLogprobCollector:
             p = start_pos + i + 1
             if lo <= p < hi:
                 self._got[p] = TokenLogprob(token_id=self.prompt[p], logprob=float(r.logprob),
-                                            top=[(int(t), float(v)) for t, v in r.top[: self.num_top]])
+                                            top=[(int(t), float(v)) for t, v in r.top[: self.num_top]], rank=r.rank)
 
     @property
     def complete(self) -> bool:

@@ -9,7 +9,9 @@ hidden state through the same head and sampler), for every position i of the chu
 - `prompt_token_logprobs` [B, S] fp32: log p(next_ids[b, i] | tokens <= i), the raw distribution
   (log-softmax of the fp32 logits, as the sampler's logprobs);
 - `prompt_top_ids` [B, S, N] int64 and `prompt_top_logprobs` [B, S, N] fp32: the N most likely
-  tokens at i (N = EngineConfig's top-logprob width, as decode's top-N).
+  tokens at i (N = EngineConfig's top-logprob width, as decode's top-N);
+- `prompt_token_ranks` [B, S] int64: 1 + the number of tokens more likely than next_ids[b, i]
+  (vLLM's `rank`; a [B, S, V] compare-and-count, no sort).
 
 `next_ids` [B, S] int64 is the token each position predicts: the prompt shifted by one, and at
 a chunk's last position the first token of the next chunk (the engine knows the whole prompt),
@@ -28,17 +30,19 @@ _NUM_BASE = len(STEP_INPUT_NAMES)
 
 PROMPT_LOGPROBS = "prompt_logprobs"  # the feature flag (and variant) name
 PROMPT_INPUT_NAMES = ("next_ids",)  # [B, S] int64, after STEP_INPUT_NAMES
-PROMPT_OUTPUT_NAMES = ("prompt_token_logprobs", "prompt_top_ids", "prompt_top_logprobs")  # after STEP_OUTPUT_NAMES
+PROMPT_OUTPUT_NAMES = ("prompt_token_logprobs", "prompt_top_ids", "prompt_top_logprobs", "prompt_token_ranks")  # after STEP_OUTPUT_NAMES
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, num_top: int):
     """logits [B, S, V] fp32, next_ids [B, S] -> (token logprobs [B, S], top ids [B, S, N],
-    top logprobs [B, S, N]); N = num_top clamped to [1, V], as the sampler's top-N."""
+    top logprobs [B, S, N], token ranks [B, S]); N = num_top clamped to [1, V], as the
+    sampler's top-N."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # [B, S, V]
     tok = logp.gather(-1, next_ids.clamp(0, logp.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)  # [B, S]
     n = max(1, min(num_top, logp.shape[-1]))
     top_lp, top_ids = torch.topk(logp, n, dim=-1)  # [B, S, N]
-    return tok, top_ids, top_lp
+    rank = (logp > tok.unsqueeze(-1)).sum(-1) + 1  # [B, S] int64
+    return tok, top_ids, top_lp, rank
 
 
 class PromptLogprobsStepFunction(StepFunction):

@@ -22,7 +22,7 @@ How rows map to requests (`RowInput.request_id`, `RowInput.do_sample`):
   lowest allowed id (`num_masked_tokens` counts the replacements).
 - Logprobs are deterministic fake values: the chosen token first among `top`, `num_logprobs`
   entries, decreasing. Prompt logprobs (a row with `prompt_next_ids`) likewise, per fed position
-  q: `prompt_logprob(q)` for the predicted id, first among `num_prompt_logprobs` entries.
+  q: `prompt_logprob(q)` for the predicted id, rank 1, first among `num_prompt_logprobs` entries.
 
 Per-request records are dropped by `release()`, which the Engine calls whenever a request
 finishes, so the runner holds state only for live requests.
@@ -248,7 +248,7 @@ class ScriptedRunner:
     def _prompt_logprob(self, q: int, token: int, n: int) -> TokenLogprob:
         lp = self.prompt_logprob(q)
         top = [(token, lp)] + [((token + k) % self.vocab_size, lp - 0.5 * k) for k in range(1, max(n, 1))]
-        return TokenLogprob(token_id=token, logprob=lp, top=top[:n])
+        return TokenLogprob(token_id=token, logprob=lp, top=top[:n], rank=1)
 
     def _row_tokens(self, row: RowInput) -> RowResult:
         rid = row.request_id
