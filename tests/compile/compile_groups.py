@@ -39,7 +39,7 @@ PRESETS = ("default", "batch8")
 # Flag sets compiled, each in its own artifact directory (a manifest holds one flag set). The
 # base graphs of a flagged catalogue are the unflagged ones, so a flagged set adds only its variant
 # graphs: one per kind in "buckets". Add e.g. ("structured_outputs",) to compile its variants.
-FLAG_SETS: tuple[tuple[str, ...], ...] = ((), ("penalties", "structured_outputs"))
+FLAG_SETS: tuple[tuple[str, ...], ...] = ((), ("penalties", "prompt_logprobs", "structured_outputs"))
 REPRESENTATIVE = "batch8"
 JOBS = 2  # parallel `trnrt compile` processes (CI has 2 cores)
 

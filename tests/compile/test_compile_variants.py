@@ -1,10 +1,12 @@
 """Compiled variant graphs equal eager with live logits-processor inputs.
 
-The session compiles the `penalties+structured_outputs` superset variant (both processors in one
-graph: the dense repetition scale and additive bias, then the packed token bitmask) for one graph
-of each kind of `batch8` (compile_groups.FLAG_SETS). Each compiled graph must give the eager step's
-tokens and logprobs on a batch with real masks and penalties, and the inputs must bind: every
-sampled token is allowed by its row's mask, and the mask changes at least one row's token.
+The session compiles the flags of compile_groups.FLAG_SETS together: the
+`penalties+structured_outputs` superset variant (both processors in one graph: the dense
+repetition scale and additive bias, then the packed token bitmask) and the prompt-logprobs
+prefill variant carrying both processors, one graph of each kind of `batch8`. Each compiled graph
+must give the eager step's tokens and logprobs (and every prompt position's logprob, top-N and
+rank) on a batch with real masks, penalties and next ids, and the inputs must bind: every sampled
+token is allowed by its row's mask, and the mask changes at least one row's token.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from trnrt.compile import load_compiled
 from trnrt.compile.export import eager_callable, spec_inputs
 from trnrt.compile.manifest import Manifest
 from trnrt.config.presets import load_preset
-from trnrt.engine.variant_step import extra_input_names
+from trnrt.compile.catalogue import get_variant
 
-FLAGS = ("penalties", "structured_outputs")
+FLAGS = ("penalties", "prompt_logprobs", "structured_outputs")
 KEY = "batch8+" + "+".join(sorted(FLAGS))
 LOGPROB_TOL = 1e-4
 
@@ -33,7 +35,7 @@ def variant_dir(compiled):
 def _live_inputs(spec, cfg, vocab: int, g: torch.Generator):
     """Step inputs with live rows (all but the last: padding), then real processor inputs."""
     inputs = list(spec_inputs(spec, cfg, vocab))
-    names = extra_input_names(FLAGS)
+    names = get_variant(spec.variant).extra_input_names
     b, s = spec.batch, spec.tokens
     live = b - 1 if b > 1 else 1
     inputs[0][:live] = torch.randint(1, vocab, (live, s), generator=g)
@@ -52,7 +54,10 @@ def _live_inputs(spec, cfg, vocab: int, g: torch.Generator):
     bits = torch.randint(-(2 ** 31), 2 ** 31 - 1, (live, words), generator=g, dtype=torch.int64)
     extra["token_bitmask"][:live] = (bits & torch.randint(-(2 ** 31), 2 ** 31 - 1, (live, words), generator=g,
                                                           dtype=torch.int64)).to(torch.int32)  # ~1/4 allowed
-    return inputs, live
+    if "next_ids" in extra:  # the prompt shifted by one
+        extra["next_ids"][:live, :-1] = inputs[0][:live, 1:]
+        extra["next_ids"][:live, -1] = torch.randint(1, vocab, (live,), generator=g)
+    return inputs, live, extra
 
 
 def _allowed(mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -69,7 +74,7 @@ def test_compiled_variants_equal_eager_with_live_inputs(tiny_model, variant_dir)
     specs = [s for s in expand(cfg) if s.variant != "base" and s.graph_id in ok]
     assert specs, f"no compiled variant graph in {variant_dir}"
     vocab = int(tiny_model.config.vocab_size)
-    changed = 0
+    changed = prompt_checked = 0
     for i, spec in enumerate(specs):
         g = torch.Generator().manual_seed(i)
         st_c = tiny_model.allocate_state(cfg.num_blocks, cfg.block_size, cfg.num_slots)
@@ -77,17 +82,26 @@ def test_compiled_variants_equal_eager_with_live_inputs(tiny_model, variant_dir)
         fn = load_compiled(variant_dir, tiny_model, st_c, cfg, specs=[spec], check_graphs=False)[spec]
         assert hasattr(fn, "runner"), "expected an AOTInductor callable"
         eager = eager_callable(tiny_model, st_e, cfg, spec)
-        inputs, live = _live_inputs(spec, cfg, vocab, g)
+        inputs, live, extra = _live_inputs(spec, cfg, vocab, g)
+        mask = extra["token_bitmask"]
         with torch.inference_mode():
             c = fn(*[t.clone() for t in inputs])
             e = eager(*[t.clone() for t in inputs])
-            neutral = list(inputs)
-            neutral[-1] = torch.full_like(inputs[-1], -1)  # all tokens allowed
+            neutral = [torch.full_like(t, -1) if t is mask else t for t in inputs]  # all tokens allowed
             st_n = tiny_model.allocate_state(cfg.num_blocks, cfg.block_size, cfg.num_slots)
             free = eager_callable(tiny_model, st_n, cfg, spec)(*neutral)
         assert torch.equal(c[0][:live], e[0][:live]), f"{spec.graph_id}: tokens {c[0].tolist()} vs {e[0].tolist()}"
         torch.testing.assert_close(c[1][:live], e[1][:live], atol=LOGPROB_TOL, rtol=0)
         torch.testing.assert_close(c[3][:live], e[3][:live], atol=LOGPROB_TOL, rtol=0)
-        assert _allowed(inputs[-1][:live], c[0][:live]).all(), f"{spec.graph_id}: a sampled token is masked"
+        assert _allowed(mask[:live], c[0][:live]).all(), f"{spec.graph_id}: a sampled token is masked"
+        if "next_ids" in extra:  # prompt logprobs: every position's logprob, top-N and rank
+            assert len(c) == len(e) == 8
+            n = spec.tokens
+            torch.testing.assert_close(c[4][:live, :n], e[4][:live, :n], atol=LOGPROB_TOL, rtol=0)
+            assert torch.equal(c[5][:live], e[5][:live]), f"{spec.graph_id}: prompt top ids differ"
+            torch.testing.assert_close(c[6][:live], e[6][:live], atol=LOGPROB_TOL, rtol=0)
+            assert torch.equal(c[7][:live], e[7][:live]), f"{spec.graph_id}: prompt ranks differ"
+            prompt_checked += 1
         changed += int((free[0][:live] != e[0][:live]).any())
     assert changed, "the masks never changed a token: the test would not see a graph that ignores them"
+    assert prompt_checked, "no compiled prompt-logprobs graph was checked"

@@ -15,8 +15,9 @@ from trnrt.cli import app
 BACKEND_CHOICES = ("cpu", "cuda", "neuron", "eager")
 
 
-def selected_flags(structured_outputs: bool, penalties: bool) -> list[str]:
-    return [f for f, on in (("structured_outputs", structured_outputs), ("penalties", penalties)) if on]
+def selected_flags(structured_outputs: bool, penalties: bool, prompt_logprobs: bool = False) -> list[str]:
+    return [f for f, on in (("structured_outputs", structured_outputs), ("penalties", penalties),
+                            ("prompt_logprobs", prompt_logprobs)) if on]
 
 
 def _fmt_bytes(n: int) -> str:
@@ -53,6 +54,7 @@ def compile_cmd(
     preset: Annotated[str, typer.Option("--preset", help="Preset name (presets/NAME.toml) or path to a .toml.")] = "default",
     structured_outputs: Annotated[bool, typer.Option("--structured-outputs", help="Also compile the structured-output variant graphs.")] = False,
     penalties: Annotated[bool, typer.Option("--penalties", help="Also compile the penalties variant graphs.")] = False,
+    prompt_logprobs: Annotated[bool, typer.Option("--prompt-logprobs", help="Also compile the prompt-logprobs prefill graphs (every prompt position's logprob).")] = False,
     model: Annotated[Optional[str], typer.Option("--model", help="Checkpoint directory (default: the embedded tiny model).")] = None,
     backend: Annotated[str, typer.Option("--backend", help="cpu (AOTInductor), cuda (CUDA graphs), neuron, or eager.")] = "cpu",
     out: Annotated[Optional[Path], typer.Option("--out", help="Artifact root; writes OUT/PRESET/BACKEND/manifest.json. Default: the artifact cache, where `trnrt serve` finds the graphs of this model and preset by itself.")] = None,
@@ -72,7 +74,7 @@ def compile_cmd(
     if backend not in BACKEND_CHOICES:
         err.print(f"[red]error:[/red] --backend must be one of {', '.join(BACKEND_CHOICES)}, got {backend!r}")
         raise typer.Exit(2)
-    flags = selected_flags(structured_outputs, penalties)
+    flags = selected_flags(structured_outputs, penalties, prompt_logprobs)
 
     from trnrt.config.presets import PresetError, read_preset
 

@@ -22,6 +22,7 @@ def graph_equiv_cmd(
     preset: Annotated[Optional[list[str]], typer.Option("--preset", help="Preset name or path (repeatable; default: every preset).")] = None,
     structured_outputs: Annotated[bool, typer.Option("--structured-outputs", help="Enable the structured-output flag.")] = False,
     penalties: Annotated[bool, typer.Option("--penalties", help="Enable the penalties flag.")] = False,
+    prompt_logprobs: Annotated[bool, typer.Option("--prompt-logprobs", help="Enable the prompt-logprobs flag.")] = False,
     against: Annotated[Optional[Path], typer.Option("--against", help="Lock file to compare with (default: presets/PRESET.graphs.lock.json).")] = None,
     base_ref: Annotated[Optional[str], typer.Option("--base-ref", help="Compare with the graphs at this git revision instead of a lock.")] = None,
     dims: Annotated[str, typer.Option("--dims", help="tiny: the tiny model's config; real: GLM-5.3-Flash's dimensions (meta device).")] = "tiny",
@@ -33,7 +34,7 @@ def graph_equiv_cmd(
 ) -> None:
     """Exit 0 when every graph matches its reference, 1 with the first differing node otherwise.
 
-    With --structured-outputs / --penalties the base graphs must hash exactly as with the flags
+    With --structured-outputs / --penalties / --prompt-logprobs the base graphs must hash exactly as with the flags
     off (the lock holds the flag-off hashes). Exit 2: usage error or a graph that fails to export.
     """
     from rich.console import Console
@@ -42,7 +43,7 @@ def graph_equiv_cmd(
     err = Console(stderr=True)
     from trnrt.cli.compile import selected_flags
 
-    flags = selected_flags(structured_outputs, penalties)
+    flags = selected_flags(structured_outputs, penalties, prompt_logprobs)
     if dims not in ("tiny", "real"):
         err.print(f"[red]error:[/red] --dims must be tiny or real, got {dims!r}")
         raise typer.Exit(2)

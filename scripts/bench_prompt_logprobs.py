@@ -1,0 +1,77 @@
+"""Per-step cost of the prompt-logprobs prefill graph vs the base prefill graph, same run.
+
+Eager by default; with --compiled DIR (artifacts of `trnrt compile --preset batch8
+--prompt-logprobs`, the same --model) the compiled graphs. Runs both steps alternately on the
+same state for each prefill token bucket of the preset and prints ms/step (median) and the ratio.
+
+    python scripts/bench_prompt_logprobs.py [--preset batch8] [--model DIR] [--compiled DIR]
+        [--steps 30] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="batch8")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--compiled", default=None)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+
+    from trnrt.compile.catalogue import expand
+    from trnrt.compile.export import eager_callable, spec_inputs
+    from trnrt.compile.pipeline import load_model_and_state
+    from trnrt.config.presets import load_preset
+
+    flags = ("prompt_logprobs",)
+    cfg = load_preset(a.preset).replace(variants=flags)
+    model, state = load_model_and_state(a.model, cfg, device="cpu")
+    vocab = int(model.config.vocab_size)
+    specs = [s for s in expand(cfg) if s.phase == "prefill" and s.context == 0]
+    fns = {}
+    if a.compiled:
+        from trnrt.compile import load_compiled
+
+        fns = load_compiled(a.compiled, model, state, cfg, specs=specs, check_graphs=False)
+    for s in specs:
+        fns.setdefault(s, eager_callable(model, state, cfg, s))
+    kind = "compiled" if a.compiled else "eager"
+    print(f"{a.preset}, {kind}, V={vocab}, {a.steps} steps after 3 warm-up, {a.threads} thread(s)")
+    print("| tokens | base ms/step | prompt_logprobs ms/step | ratio |")
+    print("|---|---|---|---|")
+    for tokens in cfg.prefill_token_buckets:
+        pair = {s.variant: s for s in specs if s.tokens == tokens}
+        base, plp = pair["base"], pair["prompt_logprobs"]
+        times: dict[str, list[float]] = {"base": [], "prompt_logprobs": []}
+        ins = {}
+        for v, s in pair.items():
+            x = list(spec_inputs(s, cfg, vocab))
+            x[0][0] = torch.randint(1, vocab, (tokens,))
+            x[2][0] = tokens  # num_new: one live row over the whole bucket
+            x[3][0, : cfg.table_blocks(0)] = torch.arange(1, cfg.table_blocks(0) + 1)
+            x[4][0] = 1
+            x[10][0] = tokens
+            ins[v] = x
+        with torch.inference_mode():
+            for i in range(a.steps + 3):
+                for v, s in ((("base", base), ("prompt_logprobs", plp)) if i % 2 else
+                             (("prompt_logprobs", plp), ("base", base))):
+                    t0 = time.perf_counter()
+                    fns[s](*ins[v])
+                    if i >= 3:
+                        times[v].append(time.perf_counter() - t0)
+        b, p = statistics.median(times["base"]) * 1e3, statistics.median(times["prompt_logprobs"]) * 1e3
+        print(f"| {tokens} | {b:.2f} | {p:.2f} | {p / b:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
