@@ -376,8 +376,10 @@ GENERATE_TOP = [
     fld("stream", is_bool),
     fld("return_logprob", is_bool),
     fld("top_logprobs_num", strict_int_in(0, 20), numeric=True, extra=[("max", 20, "2xx"), ("over-max", 21, "4xx")]),
-    fld("logprob_start_len", lambda v: v is None or (type(v) is int and v == -1), numeric=True,
-        extra=[("minus-one", -1, "2xx")]),
+    # -1, or a prompt position: without return_logprob it is ignored (SGLang); with it a position
+    # needs --prompt-logprobs (test_prompt_logprobs_routes.py)
+    fld("logprob_start_len", strict_int_in(-1), numeric=True,
+        extra=[("minus-one", -1, "2xx"), ("minus-two", -2, "4xx"), ("position", 5, "2xx")]),
     fld("token_ids_logprob", lambda v: v is None or v == [], extra=[("empty", [], "2xx"), ("ids", [1, 2], "4xx")]),
     fld("return_text_in_logprobs", is_bool),
     fld("return_prompt_token_ids", is_bool),

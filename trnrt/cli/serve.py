@@ -68,6 +68,9 @@ class ServeArgs:
     structured_outputs: bool = False
     # Penalties, logit_bias and min_tokens (the "penalties" variant graphs)
     penalties: bool = False
+    # Prompt logprobs: completions echo + logprobs, vLLM prompt_logprobs, SGLang logprob_start_len
+    # (the "prompt_logprobs" prefill variant graphs)
+    prompt_logprobs: bool = False
 
     @property
     def max_concurrent_requests(self) -> int:
@@ -251,7 +254,7 @@ def build_engine(args: ServeArgs):
                       max_model_len=max_model_len, max_running_requests=args.max_running_requests,
                       step_delay_s=args.scripted_step_delay_s, stream_interval=args.stream_interval,
                       submit_log_size=0, structured_outputs=args.structured_outputs,
-                      penalties=args.penalties)
+                      penalties=args.penalties, prompt_logprobs=args.prompt_logprobs)
         if _accepts(Engine.scripted, "scheduler_config"):
             from trnrt.engine.engine import resolve_configs
 
@@ -299,7 +302,7 @@ def build_engine(args: ServeArgs):
                                    served_model_name=args.served_model_name,
                                    compiled_loader=loader, compiled_backend=args.backend or "cpu",
                                    stream_interval=args.stream_interval, structured_outputs=args.structured_outputs,
-                                   penalties=args.penalties,
+                                   penalties=args.penalties, prompt_logprobs=args.prompt_logprobs,
                                    **kw)
     return engine, tokenizer_factory
 
@@ -440,6 +443,7 @@ def serve(
     log_level: Annotated[str, typer.Option("--log-level", help="debug | info | warning | error | critical (any case).")] = "info",
     structured_outputs: Annotated[bool, typer.Option("--structured-outputs", help="Serve structured outputs (JSON schema, regex, EBNF, choice, structural tags; tool_choice required/named) with xgrammar: needs `pip install 'trnrt[grammar]'`, and with --compiled artifacts built with `trnrt compile --structured-outputs`.")] = False,
     penalties: Annotated[bool, typer.Option("--penalties", help="Serve repetition_penalty, frequency_penalty, presence_penalty, logit_bias and min_tokens (the penalties variant graphs; with --compiled, artifacts built with `trnrt compile --penalties`).")] = False,
+    prompt_logprobs: Annotated[bool, typer.Option("--prompt-logprobs", help="Serve prompt logprobs: /v1/completions echo with logprobs, vLLM's prompt_logprobs (completions, chat) and /generate's logprob_start_len >= 0 (the prompt_logprobs prefill variant graphs; with --compiled, artifacts compiled with that flag). Such requests bypass the prefix cache.")] = False,
     scripted: Annotated[bool, typer.Option("--scripted", hidden=True, help="Serve a scripted engine (tests).")] = False,
     scripted_step_delay: Annotated[float, typer.Option("--scripted-step-delay", hidden=True, help="Seconds per scripted decode step.")] = 0.0,
     compiled: Annotated[Optional[str], typer.Option("--compiled", help="Run the graphs `trnrt compile --out DIR` built for --preset (refused if built from another model, preset or graph).", metavar="DIR")] = None,
@@ -525,7 +529,7 @@ def serve(
         abort_on_priority_when_disabled=abort_on_priority_when_disabled,
         max_num_batched_tokens=max_num_batched_tokens, chunked_prefill_size=chunked_prefill_size,
         disable_compiled_cache=disable_compiled_cache,
-        structured_outputs=structured_outputs, penalties=penalties,
+        structured_outputs=structured_outputs, penalties=penalties, prompt_logprobs=prompt_logprobs,
     )
     check_cache_and_scheduling(args)
     _check_port_free(host, port)  # before the model loads (seconds), not after

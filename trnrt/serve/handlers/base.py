@@ -54,6 +54,16 @@ def begin(st: ServeState, req, parse):
     return creq, st.tokinfo()
 
 
+def require_prompt_logprobs(st: ServeState, param: str, err: Callable[[str, str | None], APIError] = bad_request
+                            ) -> None:
+    """A request asking for prompt logprobs on a server started without --prompt-logprobs: a 400
+    naming the route's own field (`param`) and the flag, before any tokenization."""
+    if not getattr(st.engine, "prompt_logprobs", False):
+        from trnrt.engine.engine import PROMPT_LOGPROBS_OFF_MESSAGE
+
+        raise err(PROMPT_LOGPROBS_OFF_MESSAGE.format(param=param), param)
+
+
 def client_gone(req) -> Callable[[], bool]:
     probe = req.env.get("waitress.client_disconnected")
     return probe if probe is not None else (lambda: False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from trnrt.serve.handlers.base import Admission, begin, respond, submit
+from trnrt.serve.handlers.base import Admission, begin, require_prompt_logprobs, respond, submit
 from trnrt.serve.http.errors import APIError, SGLangObjectError
 from trnrt.serve.http.state import ServeState
 from trnrt.serve.output.sglang import GenerateRenderer
@@ -23,6 +23,8 @@ class Generate:
         try:
             with Admission(st) as adm:
                 greq, ti = begin(st, req, parse_generate)
+                if any(it.input_logprobs for it in greq.items):  # logprob_start_len >= 0 with return_logprob
+                    require_prompt_logprobs(st, "logprob_start_len")
                 st.check_priority([it.priority for it in greq.items])
                 reqs = to_engine_requests(greq, ti.tokenizer, st.context_len, st.engine.model_info.vocab_size)
                 sub = submit(st, reqs, lambda f: engine_field_to_sglang(f, greq), admission=adm, req=req)

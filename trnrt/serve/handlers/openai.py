@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trnrt.serve.handlers.base import Admission, begin, respond, submit
+from trnrt.serve.handlers.base import Admission, begin, require_prompt_logprobs, respond, submit
 from trnrt.serve.http.state import ServeState
 from trnrt.serve.output.assembler import ChatOutput, TokenCounter
 from trnrt.serve.output.openai import ChatRenderer, CompletionRenderer
@@ -55,6 +55,8 @@ class ChatCompletions:
 
     def _start(self, req, resp, st: ServeState, adm: Admission) -> None:
         creq, ti = begin(st, req, parse_chat)
+        if creq.prompt_logprobs is not None:
+            require_prompt_logprobs(st, "prompt_logprobs")
         st.check_priority([creq.priority])
         apply_template_defaults(creq, st.settings.default_chat_template_kwargs)
         _default_usage(st, creq)
@@ -99,11 +101,14 @@ class Completions:
         st = self.state
         with Admission(st) as adm:
             creq, ti = begin(st, req, parse_completion)
+            if creq.params.prompt_logprobs is not None:
+                require_prompt_logprobs(st, creq.prompt_logprobs_param)
             _default_usage(st, creq)
             st.check_priority([creq.priority])
             reqs, echo_texts = completion_to_engine_requests(creq, ti.tokenizer, st.context_len,
                                                              st.engine.model_info.vocab_size)
-            sub = submit(st, reqs, lambda f: engine_field_to_openai(f, "prompt"), admission=adm, req=req)
+            sub = submit(st, reqs, lambda f: engine_field_to_openai(f, "prompt", creq.prompt_logprobs_param),
+                         admission=adm, req=req)
         renderer = CompletionRenderer(st.model_name, ti, creq, [len(r.prompt_token_ids) for r in reqs], echo_texts,
                                       n=creq.n, prompt_ids=[r.prompt_token_ids for r in reqs])
         respond(req, resp, sub, renderer, creq.stream)

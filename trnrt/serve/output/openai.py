@@ -6,6 +6,7 @@ the (index, RequestOutput) stream that handlers/base.py drains from the engine.
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import Iterator
@@ -46,8 +47,20 @@ def chat_logprobs(ti, lps: list[TokenLogprob], n_top: int) -> list[dict]:
     return out
 
 
-def completion_logprobs(ti, lps: list[TokenLogprob], offset: int) -> tuple[dict, int]:
+def completion_logprobs(ti, lps: list[TokenLogprob], offset: int, prompt_ids: list[int] | None = None,
+                        prompt_lps: list[TokenLogprob | None] | None = None, n_top: int = 0) -> tuple[dict, int]:
+    """The legacy logprobs object of generated tokens `lps`, text offsets from `offset`; with
+    `prompt_lps` (echo with logprobs: the engine's entries for every prompt position) the prompt's
+    tokens come first, the first one (nothing precedes it) with null token_logprob and top_logprobs,
+    the others with their top `n_top` alternatives."""
     tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, e in zip(prompt_ids or [], prompt_lps or []):
+        tok = ti.piece(tid)
+        offsets.append(offset)
+        offset += len(tok)
+        tokens.append(tok)
+        token_lps.append(None if e is None else e.logprob)
+        tops.append(None if e is None else {ti.piece(t): v for t, v in e.top[:n_top]})
     for lp in lps:
         tok = ti.piece(lp.token_id)
         offsets.append(offset)
@@ -56,6 +69,28 @@ def completion_logprobs(ti, lps: list[TokenLogprob], offset: int) -> tuple[dict,
         token_lps.append(lp.logprob)
         tops.append({ti.piece(t): v for t, v in lp.top})
     return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}, offset
+
+
+def vllm_prompt_logprobs(ti, entries: list[TokenLogprob | None] | None, n_top: int) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt position None (position 0: nothing precedes it) or
+    {"<token id>": {"logprob", "rank", "decoded_token"}}: the prompt token with its rank (1 + the
+    tokens more likely), then the top `n_top` alternatives ranked 1..n_top (the prompt token once)."""
+    if entries is None:
+        return None
+    out: list = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        top = e.top[:n_top]
+        rank = e.rank
+        if rank is None:  # no rank reported: the token's place among the top ones, if it is there
+            rank = next((j + 1 for j, (t, _) in enumerate(top) if t == e.token_id), None)
+        d = {str(e.token_id): {"logprob": e.logprob, "rank": rank, "decoded_token": ti.piece(e.token_id)}}
+        for j, (t, v) in enumerate(top):
+            d.setdefault(str(t), {"logprob": v, "rank": j + 1, "decoded_token": ti.piece(t)})
+        out.append(d)
+    return out
 
 
 def openai_error_event(err: APIError) -> list[bytes]:
@@ -79,6 +114,7 @@ class _Choice:
         self.ids: list[int] = []  # output token ids (return_token_ids)
         self.pending_ids: list[int] = []  # ids not yet sent in a streamed chunk
         self.last: RequestOutput | None = None
+        self.prompt_lps: list[TokenLogprob | None] | None = None  # the engine's, from the first output
 
 
 class ChatRenderer:
@@ -142,6 +178,8 @@ class ChatRenderer:
             if o.new_logprobs:
                 ch.lps.extend(o.new_logprobs)
             ch.ids.extend(o.new_token_ids)
+            if o.prompt_logprobs is not None:
+                ch.prompt_lps = o.prompt_logprobs
             ch.last = o
         choices = []
         for i, ch in enumerate(self.choices):
@@ -160,6 +198,9 @@ class ChatRenderer:
                 "choices": choices, "usage": self._usage(), "metadata": {"weight_version": "default"}}
         if self.creq.return_token_ids or self.creq.return_prompt_token_ids:
             body["prompt_token_ids"] = list(self.prompt_ids)
+        if self.creq.prompt_logprobs is not None:  # vLLM's: one list for the (shared) prompt
+            first = next((ch.prompt_lps for ch in self.choices if ch.prompt_lps is not None), None)
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.ti, first, self.creq.prompt_logprobs)
         return body
 
     def _chunk(self, delta: dict, logprobs=None, finish=None, matched=None, index: int = 0,
@@ -175,13 +216,26 @@ class ChatRenderer:
         if not self._sent_prompt_ids and (self.creq.return_token_ids or self.creq.return_prompt_token_ids):
             body["prompt_token_ids"] = list(self.prompt_ids)  # the first chunk only (vLLM)
             self._sent_prompt_ids = True
+        if not self._sent_prompt_lps and self.creq.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.ti, self._stream_prompt_lps,
+                                                           self.creq.prompt_logprobs)  # the first chunk only
+            self._sent_prompt_lps = True
         return sse.event(body)
 
     _sent_prompt_ids = False
+    _sent_prompt_lps = False
+    _stream_prompt_lps: list | None = None
 
     def sse(self, outputs: Iterator[tuple[int, RequestOutput]]) -> Iterator[bytes]:
         want_lp = self.creq.want_logprobs
         n_top = self.creq.params.logprobs or 0
+        if self.creq.prompt_logprobs is not None:
+            # the first chunk carries the prompt's logprobs: every choice's first output has them
+            # (the same prompt), so the first output of any choice gives them
+            first = next(outputs, None)
+            if first is not None:
+                self._stream_prompt_lps = first[1].prompt_logprobs
+                outputs = itertools.chain([first], outputs)
         for i in range(len(self.choices)):
             yield self._chunk({"role": "assistant", "content": ""}, index=i)
         for i, o in outputs:
@@ -247,31 +301,45 @@ class CompletionRenderer:
         lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
         last: list[RequestOutput | None] = [None] * n
         ids: list[list[int]] = [[] for _ in range(n)]
+        plps: list[list | None] = [None] * n  # the engine's prompt logprobs, from each first output
         for i, o in outputs:
             self.counters[i].add(o)
             texts[i] += o.new_text
             if o.new_logprobs:
                 lps[i].extend(o.new_logprobs)
             ids[i].extend(o.new_token_ids)
+            if o.prompt_logprobs is not None:
+                plps[i] = o.prompt_logprobs
             last[i] = o
         choices = []
         for i in range(n):
             finish, matched = openai_finish(finish_of(last[i]))
             logprobs = None
             if self.creq.logprobs is not None:
-                logprobs, _ = completion_logprobs(self.ti, lps[i], 0)
+                logprobs, _ = completion_logprobs(self.ti, lps[i], 0, *self._echo_prompt(i, plps[i]))
             choices.append({"index": i, "text": texts[i], "logprobs": logprobs, "finish_reason": finish,
                             "matched_stop": matched, "stop_reason": stop_reason(self.creq, finish, matched)})
+            if self.creq.prompt_logprobs is not None:  # vLLM's, per choice
+                choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(self.ti, plps[i], self.creq.prompt_logprobs)
             if self.creq.return_token_ids:  # vLLM's (and SGLang's) token ids per choice
                 choices[-1]["prompt_token_ids"] = list(self.prompt_ids[i])
                 choices[-1]["token_ids"] = ids[i]
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": self._usage(), "metadata": {"weight_version": "default"}}
 
+    def _echo_prompt(self, i: int, prompt_lps) -> tuple:
+        """completion_logprobs' prompt arguments for choice i: the prompt's tokens lead the legacy
+        logprobs object with echo (its top-`logprobs` alternatives); nothing otherwise."""
+        if not self.creq.echo_logprobs or prompt_lps is None:
+            return None, None, 0
+        return self.prompt_ids[i], prompt_lps, self.creq.logprobs or 0
+
     def _chunk(self, i: int, text: str, logprobs=None, finish=None, matched=None,
-               token_ids: list[int] | None = None, first: bool = False) -> bytes:
+               token_ids: list[int] | None = None, first: bool = False, prompt_lps=None) -> bytes:
         choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish, "matched_stop": matched,
                   "stop_reason": stop_reason(self.creq, finish, matched)}
+        if self.creq.prompt_logprobs is not None and first:  # vLLM: on each choice's first chunk
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.ti, prompt_lps, self.creq.prompt_logprobs)
         if self.creq.return_token_ids:  # the prompt's ids on a choice's first chunk (vLLM), then deltas
             if first:
                 choice["prompt_token_ids"] = list(self.prompt_ids[i])
@@ -287,18 +355,24 @@ class CompletionRenderer:
         pending_echo = [self.echo_texts[i] if self.creq.echo else "" for i in range(n)]
         offsets = [0] * n
         started = [False] * n
+        prompt_lps: list[list | None] = [None] * n
         pending_ids: list[list[int]] = [[] for _ in range(n)]
         for i, o in outputs:
             self.counters[i].add(o)
             finish, matched = openai_finish(finish_of(o)) if o.finished else (None, None)
             lp = None
+            if o.prompt_logprobs is not None:
+                prompt_lps[i] = o.prompt_logprobs  # the first output: out with the first chunk
             if self.creq.logprobs is not None:
-                lp, offsets[i] = completion_logprobs(self.ti, o.new_logprobs or [], offsets[i])
+                # the prompt's part (echo) rides on the chunk that carries the echoed text
+                echo_part = self._echo_prompt(i, o.prompt_logprobs) if not started[i] else (None, None, 0)
+                lp, offsets[i] = completion_logprobs(self.ti, o.new_logprobs or [], offsets[i], *echo_part)
             text = pending_echo[i] + o.new_text
             pending_echo[i] = ""
             pending_ids[i].extend(o.new_token_ids)
-            if text or o.finished or (lp and lp["tokens"]):
-                yield self._chunk(i, text, lp, finish, matched, token_ids=pending_ids[i], first=not started[i])
+            if text or o.finished or (lp and lp["tokens"]) or (not started[i] and prompt_lps[i] is not None):
+                yield self._chunk(i, text, lp, finish, matched, token_ids=pending_ids[i], first=not started[i],
+                                  prompt_lps=prompt_lps[i])
                 started[i], pending_ids[i] = True, []
         if self.creq.include_usage:
             yield sse.event({"id": self.id, "object": "text_completion", "created": self.created,

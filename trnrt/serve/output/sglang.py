@@ -9,6 +9,10 @@ current `meta_info` (`finish_reason` null until the last chunk; a batch adds `in
 `meta_info.finish_reason`: `{"type": "stop", "matched": <token id | stop string>}`,
 `{"type": "length", "length": <completion tokens>}`, `{"type": "abort", "message": ...}` (with
 `status_code` for system aborts). Logprobs are SGLang's tuples `[logprob, token_id, text | null]`.
+With `logprob_start_len` k >= 0 (and return_logprob), `input_token_logprobs` / `input_top_logprobs`
+cover prompt positions k .. P-1 (position 0's logprob null: nothing precedes it), so
+`prompt_tokens == k + len(input_token_logprobs)`; a cumulative stream repeats them on every chunk,
+an incremental one sends them on the first chunk only (later chunks: `[]`).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class _Item:
         self.text = ""
         self.ids: list[int] = []
         self.lps: list[TokenLogprob] = []
+        self.prompt_lps: list[TokenLogprob | None] | None = None  # the engine's, from the first output
         self.last: RequestOutput | None = None
         self.sent_ts: float | None = None
 
@@ -87,24 +92,35 @@ class GenerateRenderer:
         it.ids.extend(o.new_token_ids)
         if o.new_logprobs:
             it.lps.extend(o.new_logprobs)
+        if o.prompt_logprobs is not None:
+            it.prompt_lps = o.prompt_logprobs
         it.last = o
 
     def _lp_tuple(self, token_id: int, logprob: float) -> list:
-        text = self.ti.piece(token_id) if self.greq.return_text_in_logprobs else None
-        return [logprob, token_id, text]
+        return [logprob, token_id, self._text(token_id)]
 
-    def _logprob_fields(self, i: int, lps: list[TokenLogprob]) -> dict:
+    def _logprob_fields(self, i: int, lps: list[TokenLogprob], with_input: bool) -> dict:
         item = self.greq.items[i]
-        d = {"input_token_logprobs": [], "output_token_logprobs": [self._lp_tuple(lp.token_id, lp.logprob)
-                                                                   for lp in lps],
-             "output_token_logprobs_length": len(self.items[i].lps)}
-        if item.top_logprobs_num > 0:
-            d["input_top_logprobs"] = []
-            d["output_top_logprobs"] = [[self._lp_tuple(t, v) for t, v in lp.top[:item.top_logprobs_num]]
-                                        for lp in lps]
+        it = self.items[i]
+        n_top = item.top_logprobs_num
+        inputs = (it.prompt_lps or []) if (with_input and item.input_logprobs) else []
+        # prompt position p's entry; position 0 (None from the engine) has a null logprob
+        first = max(item.logprob_start_len, 0)
+        in_ids = [it.prompt_ids[first + j] if e is None else e.token_id for j, e in enumerate(inputs)]
+        d = {"input_token_logprobs": [[None if e is None else e.logprob, t, self._text(t)]
+                                      for t, e in zip(in_ids, inputs)],
+             "output_token_logprobs": [self._lp_tuple(lp.token_id, lp.logprob) for lp in lps],
+             "output_token_logprobs_length": len(it.lps)}
+        if n_top > 0:
+            d["input_top_logprobs"] = [None if e is None else [self._lp_tuple(t, v) for t, v in e.top[:n_top]]
+                                       for e in inputs]
+            d["output_top_logprobs"] = [[self._lp_tuple(t, v) for t, v in lp.top[:n_top]] for lp in lps]
         return d
 
-    def _object(self, i: int, text: str, ids: list[int], lps: list[TokenLogprob]) -> dict:
+    def _text(self, token_id: int) -> str | None:
+        return self.ti.piece(token_id) if self.greq.return_text_in_logprobs else None
+
+    def _object(self, i: int, text: str, ids: list[int], lps: list[TokenLogprob], with_input: bool = True) -> dict:
         it = self.items[i]
         o = it.last
         c = it.counter
@@ -115,7 +131,7 @@ class GenerateRenderer:
             host = min(c.num_cached_host, c.num_cached)
             meta["cached_tokens_details"] = {"device": c.num_cached - host, "host": host}
         if self.greq.items[i].return_logprob:
-            meta.update(self._logprob_fields(i, lps))
+            meta.update(self._logprob_fields(i, lps, with_input))
         if o is not None and o.finished:
             meta["e2e_latency"] = round(time.monotonic() - self.t_start, 6)
         if it.sent_ts is None:
@@ -140,9 +156,10 @@ class GenerateRenderer:
         for i, o in outputs:
             self._add(i, o)
             it = self.items[i]
-            if self.incremental:
+            if self.incremental:  # deltas: the prompt's logprobs come with the first output only
                 n_lp = len(o.new_logprobs or [])
-                obj = self._object(i, o.new_text, list(o.new_token_ids), it.lps[len(it.lps) - n_lp:])
+                obj = self._object(i, o.new_text, list(o.new_token_ids), it.lps[len(it.lps) - n_lp:],
+                                   with_input=o.prompt_logprobs is not None)
             else:
                 obj = self._object(i, it.text, list(it.ids), it.lps)
             if self.greq.is_batch:

@@ -213,7 +213,9 @@ NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "suffix": _neutral(""),
     "return_hidden_states": _neutral(False),
     "parallel_tool_calls": _neutral(True),
-    "prompt_logprobs": _never,
+    # prompt_logprobs is served on the OpenAI routes (with --prompt-logprobs) and logprob_start_len
+    # on /generate (its own check); /v1/completions does not read SGLang's logprob_start_len (echo
+    # with logprobs asks for the prompt's there), so it stays refused on that route
     "logprob_start_len": _never,
     "lora_path": _never,
     "custom_logit_processor": _never,

@@ -75,6 +75,22 @@ _SERVED_HERE = {"continue_final_message", "parallel_tool_calls", *structured.OPE
                 "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens", "thinking_token_budget"}
 
 
+def _read_prompt_logprobs(body: dict) -> int | None:
+    """vLLM's prompt_logprobs: null (off) or an integer in [0, 20] (each prompt position's token
+    logprob plus the top-N alternatives); anything else is a 400 naming the field."""
+    return _int(body, "prompt_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+
+
+def _read_max_tokens(body: dict, name: str, default, scoring: bool):
+    """max_tokens (or max_completion_tokens): >= 1, or 0 when the request asks for prompt
+    logprobs (the scoring use: the prompt is run and reported, nothing generated)."""
+    v = _int(body, name, default, lo=0)
+    if v == 0 and not scoring:
+        raise bad_request(f"{name} must be >= 1, got 0 (0 only with prompt logprobs: echo with logprobs, "
+                          f"or prompt_logprobs)", name)
+    return v
+
+
 # --- parsed requests ----------------------------------------------------------------------------
 @dataclass
 class CommonRequest:
@@ -93,6 +109,9 @@ class CommonRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     return_token_ids: bool = False  # vLLM's: token ids in the choices (and the prompt's)
     return_prompt_token_ids: bool = False  # SGLang's (chat): the prompt's token ids
+    # vLLM's prompt_logprobs: N alternatives per prompt position (None: not asked); rendered as
+    # vLLM's per-position {token id: {logprob, rank, decoded_token}} list
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -121,6 +140,13 @@ class CompletionRequest(CommonRequest):
     prompts: list = field(default_factory=list)  # each a str or a list[int]
     echo: bool = False
     logprobs: int | None = None
+    # echo with logprobs: the legacy logprobs object covers the prompt's tokens first
+    echo_logprobs: bool = False
+
+    @property
+    def prompt_logprobs_param(self) -> str:
+        """The field that asked for prompt logprobs, as the client spelled it (for errors)."""
+        return "prompt_logprobs" if self.prompt_logprobs is not None else "logprobs"
 
 
 def _common(body: dict, max_tokens: int | None) -> tuple[CommonRequest, dict]:
@@ -193,11 +219,13 @@ def expand_choices(base: GenerateRequest, n: int, group: str) -> list[GenerateRe
 def parse_chat(body: dict) -> ChatRequest:
     """Validate a /v1/chat/completions body."""
     _check_fields(body, CHAT_FIELDS)
+    prompt_lps = _read_prompt_logprobs(body)
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
-        max_tokens = _int(body, "max_completion_tokens", None, lo=1)
+        max_tokens = _read_max_tokens(body, "max_completion_tokens", None, prompt_lps is not None)
     else:
-        max_tokens = _int(body, "max_tokens", None, lo=1)
+        max_tokens = _read_max_tokens(body, "max_tokens", None, prompt_lps is not None)
     common, _ = _common(body, max_tokens)
+    common.prompt_logprobs = common.params.prompt_logprobs = prompt_lps
     if body.get("max_completion_tokens") is not None:
         common.max_tokens_param = "max_completion_tokens"
     messages = body.get("messages")
@@ -404,8 +432,16 @@ def _check_json_schema(schema: dict, where: str) -> None:
 def parse_completion(body: dict) -> CompletionRequest:
     """Validate a /v1/completions body."""
     _check_fields(body, COMPLETION_FIELDS)
-    max_tokens = _int(body, "max_tokens", 16, lo=1)
+    echo = _bool(body, "echo", False)
+    logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    prompt_lps = _read_prompt_logprobs(body)
+    echo_lps = echo and logprobs is not None
+    max_tokens = _read_max_tokens(body, "max_tokens", 16, echo_lps or prompt_lps is not None)
     common, _ = _common(body, max_tokens)
+    # the engine reports the prompt once with the larger N; each shape takes its own top-N
+    wants = [n for n in (logprobs if echo_lps else None, prompt_lps) if n is not None]
+    common.params.prompt_logprobs = max(wants) if wants else None
+    common.prompt_logprobs = prompt_lps
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("prompt is required", "prompt")
@@ -429,19 +465,18 @@ def parse_completion(body: dict) -> CompletionRequest:
             raise bad_request("prompt must not be empty", "prompt")
         if isinstance(p, str) and not is_text(p):
             raise bad_request("prompt is not valid Unicode (it holds a lone surrogate)", "prompt")
-    echo = _bool(body, "echo", False)
-    logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    if echo and logprobs is not None:
-        raise unsupported("logprobs", "with echo needs prompt logprobs, which this server does not serve yet")
     common.params.logprobs = logprobs
     common.params.grammar = structured.read_openai(body, sglang_keys=("json_schema", "regex", "ebnf"))
-    return CompletionRequest(**common.__dict__, prompts=prompts, echo=echo, logprobs=logprobs)
+    return CompletionRequest(**common.__dict__, prompts=prompts, echo=echo, logprobs=logprobs, echo_logprobs=echo_lps)
 
 
-def engine_field_to_openai(name: str | None, prompt_param: str = "prompt") -> str | None:
-    """SamplingParams / GenerateRequest names back to the request's spelling, for error messages."""
+def engine_field_to_openai(name: str | None, prompt_param: str = "prompt",
+                           prompt_logprobs_param: str = "prompt_logprobs") -> str | None:
+    """SamplingParams / GenerateRequest names back to the request's spelling, for error messages
+    (`prompt_logprobs_param`: the field that asked for prompt logprobs, `logprobs` for echo)."""
     return {"max_new_tokens": "max_tokens", "prompt_token_ids": prompt_param, "min_new_tokens": "min_tokens",
-            "max_thinking_tokens": "thinking_token_budget"}.get(name or "", name)
+            "max_thinking_tokens": "thinking_token_budget", "prompt_logprobs": prompt_logprobs_param,
+            "prompt_logprobs_start": prompt_logprobs_param}.get(name or "", name)
 
 
 # --- to the engine ------------------------------------------------------------------------------

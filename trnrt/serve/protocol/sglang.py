@@ -6,7 +6,7 @@ Validation in SGLang's two layers:
   (`SGLangContractError`);
 - value checks (ranges, context length, duplicate rids): 400 `{"error": {"message", ...}}`, the
   OpenAI envelope, which is a superset of SGLang's `{"error": {"message"}}`.
-Known fields the engine cannot serve yet (penalties, grammars, `n` > 1, prompt logprobs, ...) are a
+Known fields the engine cannot serve yet (per-token-id logprobs, LoRA, multimodal inputs, ...) are a
 400 naming them unless they carry their neutral value; unknown *top-level* keys are ignored with a
 warning, as SGLang ignores them. Pure Python apart from the tokenizer passed in.
 """
@@ -80,7 +80,6 @@ _TOP_REFUSED = {
     "bootstrap_room": _none_or(),
 }
 _WHY = {
-    "logprob_start_len": "needs prompt logprobs, which this server does not serve yet (only -1)",
     "token_ids_logprob": "needs per-token-id logprobs, which this server does not serve yet",
 }
 
@@ -105,6 +104,13 @@ class GenerateItem:
     priority: int | None = None  # SGLang's scheduling priority (None: the server's default)
     prefix_group: str | None = None  # sampling_params.n > 1: the choices of one prompt share it
     cache_salt: str | None = None  # extra_key + cache_salt: the prefix cache's namespace
+    # SGLang's logprob_start_len: -1 = output logprobs only; k >= 0 (with return_logprob) = also
+    # the prompt's from position k (meta_info.input_token_logprobs / input_top_logprobs)
+    logprob_start_len: int = -1
+
+    @property
+    def input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
 
 
 @dataclass
@@ -154,8 +160,9 @@ def _check_top_n(v):
 def _check_start_len(v):
     if not is_int(v):
         raise contract_error(f"invalid type for logprob_start_len: {v!r}, expected an integer", "logprob_start_len")
-    if v != -1:
-        raise unsupported("logprob_start_len", _WHY["logprob_start_len"])
+    if v < -1:
+        raise bad_request(f"logprob_start_len must be -1 (output logprobs only) or a prompt position >= 0, "
+                          f"got {v}", "logprob_start_len")
     return v
 
 
@@ -270,7 +277,7 @@ def parse_generate(body: dict) -> GenerateRequestIn:
     stream = read_bool(body, "stream", False, err=contract_error)
     return_lp = _per_item(body, "return_logprob", n, is_batch, _check_bool("return_logprob"), False)
     top_n = _per_item(body, "top_logprobs_num", n, is_batch, _check_top_n, 0)
-    _per_item(body, "logprob_start_len", n, is_batch, _check_start_len, -1)
+    start_lens = _per_item(body, "logprob_start_len", n, is_batch, _check_start_len, -1)
     priorities = _per_item(body, "priority", n, is_batch, _check_priority, None)
     tid = body.get("token_ids_logprob")
     if tid not in (None, []) and not (isinstance(tid, list) and all(x in (None, []) for x in tid)):
@@ -307,12 +314,15 @@ def parse_generate(body: dict) -> GenerateRequestIn:
     for i in range(n):
         params, max_new, given, si = _read_item_sampling(sps[i], "sampling_params")
         params.logprobs = top_n[i] if return_lp[i] else None
+        if return_lp[i] and start_lens[i] >= 0:  # without return_logprob it is ignored, as in SGLang
+            params.prompt_logprobs, params.prompt_logprobs_start = top_n[i], start_lens[i]
         params.max_thinking_tokens = think_budget
         items.append(GenerateItem(text=texts[i] if texts is not None else None,
                                   input_ids=id_lists[i] if id_lists is not None else None,
                                   params=params, max_new_tokens=max_new, max_new_tokens_given=given,
                                   rid=rids[i], return_logprob=return_lp[i], top_logprobs_num=top_n[i],
-                                  stream_interval=si, priority=priorities[i], cache_salt=namespaces[i]))
+                                  stream_interval=si, priority=priorities[i], cache_salt=namespaces[i],
+                                  logprob_start_len=start_lens[i]))
     items, is_batch = _expand_n(items, sps, is_batch)
     return GenerateRequestIn(
         items=items, is_batch=is_batch, stream=stream,
@@ -383,6 +393,10 @@ def to_engine_requests(greq: GenerateRequestIn, tokenizer, ctx: int, vocab_size:
             ids = encode_text(tokenizer, item.text, "text", add_special_tokens=False, max_tokens=ctx)
             if not ids:
                 raise bad_request("text tokenized to no tokens", "text")
+        if item.input_logprobs and item.logprob_start_len >= len(ids):
+            raise bad_request(f"logprob_start_len ({item.logprob_start_len}) must be less than the number of "
+                              f"input tokens ({len(ids)}). Please use a smaller logprob_start_len.",
+                              "logprob_start_len")
         params = item.params.clone(max_new_tokens=_context_max_new(item, len(ids), ctx))
         check_sampling(params, vocab_size, SGLANG, renames={"logprobs": "top_logprobs_num"})
         kw = {"request_id": item.rid} if item.rid is not None else {}
@@ -403,4 +417,6 @@ def engine_field_to_sglang(name: str | None, greq: GenerateRequestIn) -> str | N
         return "sampling_params." + name
     if name == "seed":
         return "sampling_params.sampling_seed"
+    if name in ("prompt_logprobs", "prompt_logprobs_start"):
+        return "logprob_start_len"
     return name
