@@ -14,6 +14,8 @@ this file. By TRNRT_TEST_COMPILE:
 - "buckets": every bucket of every preset (decode batch x context, prefill tokens x context)
   with the full sampler and the base variant, plus one graph of every other kind (as "kinds").
 - "every": every graph of every preset and flag set.
+- "variants": every variant graph of every preset and flag set, and no base graph (what
+  test_compile_variants checks bucket by bucket; the base-graph tests skip).
 - "subset": three of batch8's graphs (FAST_SUBSET), for a quick local run.
 
 Graphs whose hashes are equal in the presets' lock files (the same graph in two presets) are one
@@ -31,8 +33,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 MODE = os.environ.get("TRNRT_TEST_COMPILE", "kinds")
-if MODE not in ("kinds", "buckets", "every", "subset"):
-    raise ValueError(f"TRNRT_TEST_COMPILE must be kinds, buckets, every or subset, got {MODE!r}")
+if MODE not in ("kinds", "buckets", "every", "subset", "variants"):
+    raise ValueError(f"TRNRT_TEST_COMPILE must be kinds, buckets, every, variants or subset, got {MODE!r}")
 SUBSET = MODE == "subset"
 
 PRESETS = ("default", "batch8")
@@ -113,6 +115,8 @@ def selected() -> tuple[Graph, ...]:
     graphs = catalogue()
     if MODE == "every":
         return graphs
+    if MODE == "variants":
+        return tuple(g for g in graphs if g.flags)
     if SUBSET:
         return tuple(g for g in graphs if not g.flags and g.id in FAST_SUBSET.get(g.preset, ()))
     from trnrt.compile.catalogue import BASE_VARIANT

@@ -20,16 +20,18 @@ from trnrt.compile.manifest import Manifest
 from trnrt.config.presets import load_preset
 from trnrt.compile.catalogue import get_variant
 
+from compile_groups import MODE, PRESETS
+
 FLAGS = ("penalties", "prompt_logprobs", "structured_outputs")
-KEY = "batch8+" + "+".join(sorted(FLAGS))
 LOGPROB_TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def variant_dir(compiled):
-    if KEY not in compiled:
-        pytest.skip(f"the session compiles no {KEY} graphs (compile_groups.FLAG_SETS)")
-    return compiled[KEY]
+@pytest.fixture(params=PRESETS)
+def preset_and_dir(request, compiled):
+    key = request.param + "+" + "+".join(sorted(FLAGS))
+    if key not in compiled:
+        pytest.skip(f"TRNRT_TEST_COMPILE={MODE} compiles no {key} graphs (TRNRT_TEST_COMPILE=variants: all)")
+    return request.param, compiled[key]
 
 
 def _live_inputs(spec, cfg, vocab: int, g: torch.Generator):
@@ -65,8 +67,9 @@ def _allowed(mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return ((word >> (ids % 32)) & 1) == 1
 
 
-def test_compiled_variants_equal_eager_with_live_inputs(tiny_model, variant_dir):
-    cfg = load_preset("batch8").replace(variants=FLAGS)
+def test_compiled_variants_equal_eager_with_live_inputs(tiny_model, preset_and_dir):
+    preset, variant_dir = preset_and_dir
+    cfg = load_preset(preset).replace(variants=FLAGS)
     man = Manifest.read(variant_dir)
     ok = {e.id for e in man.graphs if e.status == "ok"}
     from trnrt.compile.catalogue import expand
@@ -105,3 +108,5 @@ def test_compiled_variants_equal_eager_with_live_inputs(tiny_model, variant_dir)
         changed += int((free[0][:live] != e[0][:live]).any())
     assert changed, "the masks never changed a token: the test would not see a graph that ignores them"
     assert prompt_checked, "no compiled prompt-logprobs graph was checked"
+    if MODE == "variants":  # every variant bucket of the preset was compiled and checked
+        assert {s.graph_id for s in specs} == {s.graph_id for s in expand(cfg) if s.variant != "base"}
