@@ -161,6 +161,7 @@ def test_no_leak_after_bad_inputs(any_server):
 
 
 ODD_VALUES = [None, 0, 1, -1, 2.5, 10**30, "", "x", [], [1], ["a"], {}, {"a": 1}, True, False]
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
 @pytest.mark.parametrize("path", [CHAT, COMP])
@@ -176,6 +177,10 @@ def test_no_field_value_yields_a_500(any_server, path):
             body = {**base, name: value}
             if name == "stream" and value is True:
                 continue  # a stream answers 200 with SSE; covered elsewhere
+            if value == 10**30 and name in LENGTH_FIELDS and any_server.engine.model_info.backend != "scripted":
+                # valid: the random model would generate to the end of its context (tens of
+                # seconds on a loaded box); the scripted engine checks the same value at once
+                continue
             status, data, _ = any_server.raw("POST", path, json.dumps(body).encode())
             assert status < 500, (name, value, data)
             if status != 200:
