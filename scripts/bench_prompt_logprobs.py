@@ -1,11 +1,14 @@
 """Per-step cost of the prompt-logprobs prefill graph vs the base prefill graph, same run.
 
-Eager by default; with --compiled DIR (artifacts of `trnrt compile --preset batch8
---prompt-logprobs`, the same --model) the compiled graphs. Runs both steps alternately on the
-same state for each prefill token bucket of the preset and prints ms/step (median) and the ratio.
+Eager by default; with --compiled DIR (artifacts of `trnrt compile --preset batch8 FLAGS`, the
+same --model and --flags) the compiled graphs; --compiled-base DIR takes the base graphs from
+another artifact directory (e.g. one compiled without flags). Runs both steps alternately on the
+same state for each prefill token bucket of the preset (over the full table) and prints ms/step
+(median) and the ratio. --flags: the flag set (default prompt_logprobs; the prompt graph carries
+the other flags' processors, fed neutral inputs here).
 
-    python scripts/bench_prompt_logprobs.py [--preset batch8] [--model DIR] [--compiled DIR]
-        [--steps 30] [--threads 1]
+    python scripts/bench_prompt_logprobs.py [--preset batch8] [--model DIR] [--flags a,b]
+        [--compiled DIR] [--compiled-base DIR] [--steps 30] [--threads 1]
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ def main() -> None:
     ap.add_argument("--preset", default="batch8")
     ap.add_argument("--model", default=None)
     ap.add_argument("--compiled", default=None)
+    ap.add_argument("--compiled-base", default=None)
+    ap.add_argument("--flags", default="prompt_logprobs")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
@@ -32,26 +37,32 @@ def main() -> None:
     from trnrt.compile.pipeline import load_model_and_state
     from trnrt.config.presets import load_preset
 
-    flags = ("prompt_logprobs",)
+    flags = tuple(sorted(set(a.flags.split(",")) | {"prompt_logprobs"}))
     cfg = load_preset(a.preset).replace(variants=flags)
+    name = "+".join(flags)
     model, state = load_model_and_state(a.model, cfg, device="cpu")
     vocab = int(model.config.vocab_size)
-    specs = [s for s in expand(cfg) if s.phase == "prefill" and s.context == 0]
+    specs = [s for s in expand(cfg) if s.phase == "prefill" and s.context == 0 and s.variant in ("base", name)]
     fns = {}
     if a.compiled:
         from trnrt.compile import load_compiled
 
-        fns = load_compiled(a.compiled, model, state, cfg, specs=specs, check_graphs=False)
+        mine = [s for s in specs if s.variant == name or not a.compiled_base]
+        fns = load_compiled(a.compiled, model, state, cfg, specs=mine, check_graphs=False)
+        if a.compiled_base:
+            base_cfg = load_preset(a.preset)
+            fns.update(load_compiled(a.compiled_base, model, state, base_cfg,
+                                     specs=[s for s in specs if s.variant == "base"], check_graphs=False))
     for s in specs:
         fns.setdefault(s, eager_callable(model, state, cfg, s))
     kind = "compiled" if a.compiled else "eager"
     print(f"{a.preset}, {kind}, V={vocab}, {a.steps} steps after 3 warm-up, {a.threads} thread(s)")
-    print("| tokens | base ms/step | prompt_logprobs ms/step | ratio |")
+    print(f"| tokens | base ms/step | {name} ms/step | ratio |")
     print("|---|---|---|---|")
     for tokens in cfg.prefill_token_buckets:
         pair = {s.variant: s for s in specs if s.tokens == tokens}
-        base, plp = pair["base"], pair["prompt_logprobs"]
-        times: dict[str, list[float]] = {"base": [], "prompt_logprobs": []}
+        base, plp = pair["base"], pair[name]
+        times: dict[str, list[float]] = {"base": [], name: []}
         ins = {}
         for v, s in pair.items():
             x = list(spec_inputs(s, cfg, vocab))
@@ -63,13 +74,12 @@ def main() -> None:
             ins[v] = x
         with torch.inference_mode():
             for i in range(a.steps + 3):
-                for v, s in ((("base", base), ("prompt_logprobs", plp)) if i % 2 else
-                             (("prompt_logprobs", plp), ("base", base))):
+                for v, s in ((("base", base), (name, plp)) if i % 2 else ((name, plp), ("base", base))):
                     t0 = time.perf_counter()
                     fns[s](*ins[v])
                     if i >= 3:
                         times[v].append(time.perf_counter() - t0)
-        b, p = statistics.median(times["base"]) * 1e3, statistics.median(times["prompt_logprobs"]) * 1e3
+        b, p = statistics.median(times["base"]) * 1e3, statistics.median(times[name]) * 1e3
         print(f"| {tokens} | {b:.2f} | {p:.2f} | {p / b:.2f}x |")
 
 

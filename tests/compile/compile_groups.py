@@ -4,13 +4,13 @@ Everything is derived from the catalogue (`trnrt.compile.catalogue.expand`) of P
 flag set of FLAG_SETS, so a new bucket, preset setting or variant is picked up without editing
 this file. By TRNRT_TEST_COMPILE:
 
-- "kinds" (default, CI): REPRESENTATIVE's base graphs whole (every bucket and sampler of batch8:
-  what `trnrt serve --compiled` and the artifact cache load, and `trnrt bench` runs), plus ONE
-  graph of every other kind in any preset or flag set (a kind: phase x variant x sampler x
-  full-table-or-context-bucket, e.g. default's prefill over its short context table, a variant's
-  decode or prefill): the first of that kind in catalogue order. The other graphs differ from a
-  checked one only in a bucket size or the state sizes; graph-equiv pins their hashes, and
-  TRNRT_TEST_COMPILE=buckets compiles them.
+- "kinds" (default, CI): REPRESENTATIVE's base graphs whole (every bucket, context table and
+  sampler of batch8: what `trnrt serve --compiled` and the artifact cache load, and `trnrt
+  bench` runs), plus ONE graph of every (phase, variant) of the flag sets (the processors'
+  superset variant's decode and prefill, the prompt-logprobs prefill), the full sampler, from
+  REPRESENTATIVE: 9 graphs. A variant's greedy twin, its other buckets and default's graphs differ
+  from a checked graph only in a sampler, a bucket size or the state sizes; graph-equiv pins
+  their hashes, and the other modes compile them.
 - "buckets": every bucket of every preset (decode batch x context, prefill tokens x context)
   with the full sampler and the base variant, plus one graph of every other kind (as "kinds").
 - "every": every graph of every preset and flag set.
@@ -123,8 +123,13 @@ def selected() -> tuple[Graph, ...]:
 
     if MODE == "kinds":
         chosen = [g for g in graphs if g.preset == REPRESENTATIVE and not g.flags]
-    else:  # every bucket with the full sampler and the base variant
-        chosen = [g for g in graphs if g.kind[1:3] == (BASE_VARIANT, "full")]
+        for phase_variant in sorted({(g.kind[0], g.kind[1]) for g in graphs if g.flags}):
+            of_kind = [g for g in graphs if (g.kind[0], g.kind[1]) == phase_variant and g.kind[2] == "full"]
+            rep = [g for g in of_kind if g.preset == REPRESENTATIVE] or of_kind
+            chosen.append(rep[0])
+        return tuple(g for g in graphs if g in chosen)
+    # every bucket with the full sampler and the base variant, then one graph of every other kind
+    chosen = [g for g in graphs if g.kind[1:3] == (BASE_VARIANT, "full")]
     covered = {g.kind for g in chosen}
     for kind in sorted({g.kind for g in graphs} - covered):
         of_kind = [g for g in graphs if g.kind == kind]

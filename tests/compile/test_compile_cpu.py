@@ -85,16 +85,17 @@ def test_compiled_equals_eager(tiny_model, compiled, preset):
 
 
 def test_every_kind_is_compiled():
-    """Every kind of graph (phase, variant, sampler, context table) of both presets and every
-    flag set has a compiled graph, batch8 whole (the artifact-cache and serve tests load it); with
-    TRNRT_TEST_COMPILE=buckets also every bucket of both presets, with =every every graph."""
+    """batch8 whole (the artifact-cache and serve tests load it) and a compiled graph of every
+    (phase, variant) of both presets and every flag set; with TRNRT_TEST_COMPILE=buckets also
+    every bucket of both presets and every kind (sampler, context table), with =every every graph."""
     if MODE in ("subset", "variants"):
         pytest.skip(f"TRNRT_TEST_COMPILE={MODE}")
     ids = compiled_ids()
-    assert {g.kind for g in selected()} == {g.kind for g in catalogue()}
+    assert {g.kind[:2] for g in selected()} == {g.kind[:2] for g in catalogue()}
     assert any(g.kind[:3] == ("decode", "base", "greedy") for g in selected())
     assert set(ids["batch8"]) == {s.graph_id for s in expand(load_preset("batch8"))}
     if MODE in ("buckets", "every"):
+        assert {g.kind for g in selected()} == {g.kind for g in catalogue()}
         for preset in PRESETS:
             specs = expand(load_preset(preset))
             assert {(s.phase, s.batch, s.tokens, s.context) for s in specs if s.graph_id in ids[preset]} == \

@@ -69,9 +69,11 @@ def test_known_flag_without_variant_is_a_usage_error(monkeypatch):
 
 
 def test_penalties_flag_keeps_base_hashes():
-    """--penalties (and with --structured-outputs): the base graph hashes as in the flag-off lock."""
-    r = verify("--penalties", "--structured-outputs")
+    """--penalties --structured-outputs --prompt-logprobs: the base graphs (a decode graph and the
+    prefill graph the prompt-logprobs graphs are made from) hash as in the flag-off lock."""
+    r = verify("--penalties", "--structured-outputs", "--prompt-logprobs", "--only", "prefill-b1-t32-base")
     assert r.exit_code == 0, r.output
+    assert "prefill-b1-t32-base" in r.output and GID in r.output, r.output
 
 
 def test_flag_on_keeps_base_hashes(monkeypatch):

@@ -61,11 +61,8 @@ class VariantDef:
 _VARIANTS: dict[frozenset[str], VariantDef] = {}
 # Flags the command line accepts; a known flag without a registered variant is reported as such.
 KNOWN_FLAGS = ("structured_outputs", "penalties", "prompt_logprobs")
-PROMPT_LOGPROBS = "prompt_logprobs"  # the output flag: its own prefill graphs (see the module docstring)
-
-
-def variant_name(flags: Iterable[str]) -> str:
-    return "+".join(sorted(set(flags))) or BASE_VARIANT
+# the output flag (its own prefill graphs, see the module docstring), and the variant naming rule
+from trnrt.engine.logits_processors import PROMPT_LOGPROBS, processor_flags, variant_name  # noqa: E402
 
 
 def register_variant(flags: Iterable[str], phases: Iterable[str], make_step: Callable,
@@ -140,11 +137,6 @@ def _prompt_variant(fs: frozenset[str]) -> VariantDef | None:
     return VariantDef(name=variant_name(fs), phases=("prefill",), make_step=make_step,
                       example_extra_inputs=example_extra, extra_input_names=prompt_extra_input_names(flags),
                       flags=flags, output_names=STEP_OUTPUT_NAMES + PROMPT_OUTPUT_NAMES)
-
-
-def processor_flags(flags: Iterable[str]) -> frozenset[str]:
-    """The flags of `flags` that are logits processors (all but prompt_logprobs)."""
-    return frozenset(flags) - {PROMPT_LOGPROBS}
 
 
 def no_variant_message(flags: Iterable[str]) -> str:

@@ -161,6 +161,19 @@ def processors_for(flags) -> list[LogitsProcessor]:
     return sorted((_PROCESSORS[f] for f in set(flags)), key=lambda p: (p.order, p.flag))
 
 
+PROMPT_LOGPROBS = "prompt_logprobs"  # a flag with its own graphs, not a processor (trnrt.engine.prompt_logprobs)
+
+
+def processor_flags(flags) -> frozenset[str]:
+    """The flags of `flags` that are logits processors (all but prompt_logprobs)."""
+    return frozenset(flags) - {PROMPT_LOGPROBS}
+
+
+def variant_name(flags) -> str:
+    """A flag set's variant name: the sorted flags joined with "+" ("base" for none)."""
+    return "+".join(sorted(set(flags))) or "base"
+
+
 def registered_flags() -> tuple[str, ...]:
     return tuple(sorted(_PROCESSORS))
 

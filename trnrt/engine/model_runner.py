@@ -68,7 +68,7 @@ class ModelRunner:
         self._bufs: dict[tuple[int, int, int], _InputBuffers] = {}
         # The enabled logits-processor flags' superset variant ("" = none): a batch with a row
         # that needs one of them runs in it, with neutral inputs for the other rows; see _variant_of.
-        from trnrt.compile.catalogue import PROMPT_LOGPROBS, processor_flags, variant_name
+        from trnrt.engine.logits_processors import PROMPT_LOGPROBS, processor_flags, variant_name
 
         procs = processor_flags(engine_config.variants)
         self.variant = "+".join(sorted(procs))
