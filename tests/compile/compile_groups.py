@@ -6,9 +6,10 @@ this file. By TRNRT_TEST_COMPILE:
 
 - "kinds" (default, CI): REPRESENTATIVE's base graphs whole (every bucket, context table and
   sampler of batch8: what `trnrt serve --compiled` and the artifact cache load, and `trnrt
-  bench` runs), plus ONE graph of every (phase, variant) of the flag sets (the processors'
-  superset variant's decode and prefill, the prompt-logprobs prefill), the full sampler, from
-  REPRESENTATIVE: 9 graphs. A variant's greedy twin, its other buckets and default's graphs differ
+  bench` runs), plus ONE graph of every (phase, variant) of the flag sets, the full sampler, from
+  REPRESENTATIVE, leaving out a variant whose flags a larger variant of the same phase holds (the
+  processors' superset variant's decode; the prompt-logprobs prefill, which carries the
+  processors' prefill path): 8 graphs. A variant's greedy twin, its other buckets and default's graphs differ
   from a checked graph only in a sampler, a bucket size or the state sizes; graph-equiv pins
   their hashes, and the other modes compile them.
 - "buckets": every bucket of every preset (decode batch x context, prefill tokens x context)
@@ -123,7 +124,12 @@ def selected() -> tuple[Graph, ...]:
 
     if MODE == "kinds":
         chosen = [g for g in graphs if g.preset == REPRESENTATIVE and not g.flags]
-        for phase_variant in sorted({(g.kind[0], g.kind[1]) for g in graphs if g.flags}):
+        pairs = {(g.kind[0], g.kind[1]) for g in graphs if g.flags}
+        # a phase's variant whose flags another variant of that phase holds too is covered by it
+        # (prefill: the prompt-logprobs graph carries the processors' variant's processors)
+        pairs = {(ph, v) for ph, v in pairs
+                 if not any(ph == ph2 and set(v.split("+")) < set(v2.split("+")) for ph2, v2 in pairs)}
+        for phase_variant in sorted(pairs):
             of_kind = [g for g in graphs if (g.kind[0], g.kind[1]) == phase_variant and g.kind[2] == "full"]
             rep = [g for g in of_kind if g.preset == REPRESENTATIVE] or of_kind
             chosen.append(rep[0])
