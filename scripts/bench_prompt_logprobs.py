@@ -47,19 +47,25 @@ def main() -> None:
     if a.compiled:
         from trnrt.compile import load_compiled
 
-        mine = [s for s in specs if s.variant == name or not a.compiled_base]
-        fns = load_compiled(a.compiled, model, state, cfg, specs=mine, check_graphs=False)
-        if a.compiled_base:
-            base_cfg = load_preset(a.preset)
-            fns.update(load_compiled(a.compiled_base, model, state, base_cfg,
-                                     specs=[s for s in specs if s.variant == "base"], check_graphs=False))
+        from trnrt.compile import CompiledArtifactError
+
+        base_cfg = load_preset(a.preset)
+        for s in specs:  # a bucket without both compiled graphs is left out
+            d, c = (a.compiled_base, base_cfg) if s.variant == "base" and a.compiled_base else (a.compiled, cfg)
+            try:
+                fns.update(load_compiled(d, model, state, c, specs=[s], check_graphs=False))
+            except CompiledArtifactError as e:
+                print(f"skipping {s.graph_id}: {e}")
+        have = {s.tokens for s in fns if s.variant == "base"} & {s.tokens for s in fns if s.variant == name}
+        specs = [s for s in specs if s.tokens in have]
     for s in specs:
         fns.setdefault(s, eager_callable(model, state, cfg, s))
+    buckets = sorted({s.tokens for s in specs})
     kind = "compiled" if a.compiled else "eager"
     print(f"{a.preset}, {kind}, V={vocab}, {a.steps} steps after 3 warm-up, {a.threads} thread(s)")
     print(f"| tokens | base ms/step | {name} ms/step | ratio |")
     print("|---|---|---|---|")
-    for tokens in cfg.prefill_token_buckets:
+    for tokens in buckets:
         pair = {s.variant: s for s in specs if s.tokens == tokens}
         base, plp = pair["base"], pair[name]
         times: dict[str, list[float]] = {"base": [], name: []}
