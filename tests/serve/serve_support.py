@@ -37,6 +37,21 @@ SCRIPTS = {
 }
 
 
+def record_engine_kwargs(monkeypatch) -> dict:
+    """Make Engine.from_model_dir record its keyword arguments and raise ValueError (build_engine's
+    usage-error path: `trnrt serve` exits 2 without starting a server). Returns the record."""
+    from trnrt.engine import engine as engine_mod
+
+    seen: dict = {}
+
+    def fake_from_model_dir(*a, **kw):
+        seen.update(kw)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(engine_mod.Engine, "from_model_dir", staticmethod(fake_from_model_dir))
+    return seen
+
+
 def write_tokenizer_dir(path: Path) -> Path:
     """The tiny model's tokenizer + chat template when available, else the test tokenizer."""
     try:

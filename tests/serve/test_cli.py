@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from serve_support import spawn_serve
+from serve_support import record_engine_kwargs, spawn_serve
 
 
 def test_help_lists_sglang_flags():
@@ -33,13 +33,7 @@ def test_stream_interval_reaches_the_engine_and_is_validated(monkeypatch):
     from trnrt.cli import app, serve as serve_cli
     from trnrt.engine import engine as engine_mod
 
-    seen = {}
-
-    def fake_from_model_dir(*a, **kw):
-        seen.update(kw)
-        raise ValueError("stop here")  # build_engine's ValueError path: exit 2, no server
-
-    monkeypatch.setattr(engine_mod.Engine, "from_model_dir", staticmethod(fake_from_model_dir))
+    seen = record_engine_kwargs(monkeypatch)
     r = CliRunner().invoke(app, ["serve", "--stream-interval", "4"])
     assert r.exit_code == 2 and seen["stream_interval"] == 4
     r = CliRunner().invoke(app, ["serve", "--stream-interval", "0"])

@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from serve_support import eos_ids, make_script, start_server, stop_server
+from serve_support import eos_ids, make_script, record_engine_kwargs, start_server, stop_server
 
 CHAT, COMP, GEN = "/v1/chat/completions", "/v1/completions", "/generate"
 MODEL = "trnrt-tiny"
@@ -392,15 +392,7 @@ def test_the_flag_reaches_the_engine(monkeypatch, tok_dir):
 
     from trnrt.cli import app
     from trnrt.cli.serve import ServeArgs, build_engine
-    from trnrt.engine import engine as engine_mod
-
-    seen = {}
-
-    def fake_from_model_dir(*a, **kw):
-        seen.update(kw)
-        raise ValueError("stop here")  # build_engine's ValueError path: exit 2, no server
-
-    monkeypatch.setattr(engine_mod.Engine, "from_model_dir", staticmethod(fake_from_model_dir))
+    seen = record_engine_kwargs(monkeypatch)
     r = CliRunner().invoke(app, ["serve", "--prompt-logprobs", "--disable-compiled-cache"])
     assert r.exit_code == 2 and seen["prompt_logprobs"] is True, r.output
     r = CliRunner().invoke(app, ["serve", "--disable-compiled-cache"])
