@@ -71,7 +71,7 @@ PENALTIES = "penalties"  # the feature flag (and variant) of penalties, logit_bi
 PENALTIES_OFF_MESSAGE = "{param} needs penalties: start the server with --penalties"
 
 
-PROMPT_LOGPROBS = "prompt_logprobs"  # the feature flag (and prefill variant) of prompt logprobs
+from trnrt.engine.prompt_logprob_collector import PROMPT_LOGPROBS  # noqa: E402  (the flag of prompt logprobs)
 PROMPT_LOGPROBS_OFF_MESSAGE = "{param} needs prompt logprobs: start the server with --prompt-logprobs"
 
 

@@ -161,7 +161,18 @@ def processors_for(flags) -> list[LogitsProcessor]:
     return sorted((_PROCESSORS[f] for f in set(flags)), key=lambda p: (p.order, p.flag))
 
 
-PROMPT_LOGPROBS = "prompt_logprobs"  # a flag with its own graphs, not a processor (trnrt.engine.prompt_logprobs)
+def apply_processors(processors, logits: torch.Tensor, extra) -> torch.Tensor:
+    """Chain `processors` over last-token logits [B, V] fp32, each taking its own inputs from
+    `extra` in order (a variant graph's inputs after STEP_INPUT_NAMES)."""
+    k = 0
+    for p in processors:
+        n = len(p.input_names)
+        logits = p.apply(logits.float(), *extra[k:k + n])
+        k += n
+    return logits
+
+
+from trnrt.engine.prompt_logprob_collector import PROMPT_LOGPROBS  # noqa: E402  (a flag, not a processor)
 
 
 def processor_flags(flags) -> frozenset[str]:

@@ -189,7 +189,7 @@ class ModelRunner:
             with torch.inference_mode():
                 outs = fn(*inputs)
         token_ids, token_lp, top_ids, top_lp = outs[:4]
-        if spec.variant == self.prompt_variant and spec.variant is not None:
+        if spec.variant == self.prompt_variant:
             return self._with_prompt_logprobs(rows, outs)
         ids = token_ids.tolist()
         results = []

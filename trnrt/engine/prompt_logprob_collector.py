@@ -20,6 +20,8 @@ from trnrt.engine.outputs import TokenLogprob
 
 log = logging.getLogger(__name__)
 
+PROMPT_LOGPROBS = "prompt_logprobs"  # the feature flag: its own prefill graphs (trnrt.engine.prompt_logprobs)
+
 
 class PromptLogprobCollector:
     def __init__(self, prompt_token_ids: list[int], num_top: int, start: int = 0):

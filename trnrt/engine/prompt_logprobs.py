@@ -28,7 +28,7 @@ from trnrt.engine.step import STEP_INPUT_NAMES, StepFunction
 
 _NUM_BASE = len(STEP_INPUT_NAMES)
 
-PROMPT_LOGPROBS = "prompt_logprobs"  # the feature flag (and variant) name
+from trnrt.engine.logits_processors import PROMPT_LOGPROBS, apply_processors, processor_flags, processors_for  # noqa: E402,F401
 PROMPT_INPUT_NAMES = ("next_ids",)  # [B, S] int64, after STEP_INPUT_NAMES
 PROMPT_OUTPUT_NAMES = ("prompt_token_logprobs", "prompt_top_ids", "prompt_top_logprobs", "prompt_token_ranks")  # after STEP_OUTPUT_NAMES
 
@@ -54,9 +54,7 @@ class PromptLogprobsStepFunction(StepFunction):
 
     def __init__(self, model, state, num_top_logprobs: int, sampling: str = "full", flags=()):
         super().__init__(model, state, num_top_logprobs, sampling)
-        from trnrt.engine.logits_processors import processors_for
-
-        self.processors = processors_for([f for f in flags if f != PROMPT_LOGPROBS])
+        self.processors = processors_for(processor_flags(flags))
 
     def forward(self, *inputs: torch.Tensor):
         from trnrt.models.glm5_next.model import ForwardBatch
@@ -69,27 +67,21 @@ class PromptLogprobsStepFunction(StepFunction):
         # the sampled token: the base graph's arithmetic (last hidden state -> head), not a row
         # of the all-position GEMM, so it samples exactly what the base prefill samples
         last = F.linear(out.hidden, self.model.head_weight()).float()  # [B, V]
-        k = 0
-        for p in self.processors:
-            n = len(p.input_names)
-            last = p.apply(last, *extra[k:k + n])
-            k += n
+        last = apply_processors(self.processors, last, extra)
         sampled = self.sample_logits(last, *base)
         return (*sampled, *prompt_logprobs(out.logits, next_ids, self.num_top_logprobs))
 
 
 def prompt_extra_input_names(flags) -> tuple[str, ...]:
     """The extra inputs of the prompt-logprobs variant of `flags`: the processors', then next_ids."""
-    from trnrt.engine.logits_processors import processors_for
+    from trnrt.engine.variant_step import extra_input_names
 
-    procs = processors_for([f for f in flags if f != PROMPT_LOGPROBS])
-    return tuple(n for p in procs for n in p.input_names) + PROMPT_INPUT_NAMES
+    return extra_input_names(processor_flags(flags)) + PROMPT_INPUT_NAMES
 
 
 def prompt_extra_example_inputs(flags, batch: int, tokens: int, vocab_size: int, device) -> tuple[torch.Tensor, ...]:
     """Neutral extra inputs of that variant (every processor neutral, next_ids 0)."""
-    from trnrt.engine.logits_processors import processors_for
+    from trnrt.engine.variant_step import extra_example_inputs
 
-    procs = processors_for([f for f in flags if f != PROMPT_LOGPROBS])
-    return (tuple(t for p in procs for t in p.example_inputs(batch, vocab_size, device))
+    return (extra_example_inputs(processor_flags(flags), batch, vocab_size, device)
             + (torch.zeros((batch, tokens), dtype=torch.int64, device=device),))

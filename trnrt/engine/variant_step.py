@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from trnrt.engine.logits_processors import processors_for
+from trnrt.engine.logits_processors import apply_processors, processors_for
 from trnrt.engine.step import STEP_INPUT_NAMES, StepFunction
 
 _NUM_BASE = len(STEP_INPUT_NAMES)
@@ -27,12 +27,7 @@ class VariantStepFunction(StepFunction):
 
     def forward(self, *inputs: torch.Tensor):
         base, extra = inputs[:_NUM_BASE], inputs[_NUM_BASE:]
-        logits = self.logits(*base)  # [B, V]
-        k = 0
-        for p in self.processors:
-            n = len(p.input_names)
-            logits = p.apply(logits.float(), *extra[k:k + n])
-            k += n
+        logits = apply_processors(self.processors, self.logits(*base), extra)  # [B, V]
         return self.sample_logits(logits, *base)
 
 
