@@ -97,6 +97,7 @@ def test_bad_log_level_is_usage_error(monkeypatch):
     error naming the flag (exit 2) before a model is loaded."""
     from typer.testing import CliRunner
 
+    import trnrt.cli.serve as serve_mod
     from trnrt.cli import app
     from trnrt.engine import engine as engine_mod
 
@@ -107,6 +108,7 @@ def test_bad_log_level_is_usage_error(monkeypatch):
         raise ValueError("stop here")  # build_engine's ValueError path: exit 2, no server
 
     monkeypatch.setattr(engine_mod.Engine, "from_model_dir", staticmethod(fake_from_model_dir))
+    monkeypatch.setattr(serve_mod, "use_engine_process", lambda args: False)  # the patch is in this process
     r = CliRunner().invoke(app, ["serve", "--log-level", "bogus"], terminal_width=200, env={"COLUMNS": "200"})
     assert r.exit_code == 2 and not built
     assert "--log-level" in r.output and "critical" in r.output

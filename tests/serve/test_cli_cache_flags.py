@@ -23,8 +23,12 @@ def invoke(*args: str):
 
 @pytest.fixture
 def captured(monkeypatch):
-    """Engine.from_model_dir replaced: records its keywords, then stops the CLI (exit 2)."""
+    """Engine.from_model_dir replaced: records its keywords, then stops the CLI (exit 2). Built in
+    this process (the patch does not reach an engine process)."""
+    import trnrt.cli.serve as serve_mod
     from trnrt.engine import engine as engine_mod
+
+    monkeypatch.setattr(serve_mod, "use_engine_process", lambda args: False)
 
     seen: dict = {}
 

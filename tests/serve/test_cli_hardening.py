@@ -41,7 +41,7 @@ def captured(monkeypatch):
         seen["args"] = args
         raise SystemExit(0)
 
-    monkeypatch.setattr(serve_mod, "build_engine", fake_build)
+    monkeypatch.setattr(serve_mod, "start_engine", fake_build)
     return seen
 
 

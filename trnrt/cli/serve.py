@@ -71,6 +71,9 @@ class ServeArgs:
     # Prompt logprobs: completions echo + logprobs, vLLM prompt_logprobs, SGLang logprob_start_len
     # (the "prompt_logprobs" prefill variant graphs)
     prompt_logprobs: bool = False
+    # The engine core in its own process (trnrt.engine.mp_client); None: yes for the model, no
+    # for --scripted (the API tests' engine)
+    engine_process: bool | None = None
 
     @property
     def max_concurrent_requests(self) -> int:
@@ -224,6 +227,36 @@ def resolve_model_dir(args: ServeArgs) -> str:
         return str(resolve(args.model))
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--model")
+
+
+def use_engine_process(args: ServeArgs) -> bool:
+    """Whether `trnrt serve` runs the engine core in its own process (see start_engine)."""
+    return (not args.scripted) if args.engine_process is None else bool(args.engine_process)
+
+
+def start_engine(args: ServeArgs):
+    """The EngineClient `trnrt serve` runs: the engine of `build_engine(args)`, in a process of its
+    own (trnrt.engine.mp_client.MPEngineClient: the HTTP threads and the engine thread then never
+    share a GIL) when `use_engine_process(args)`, else in this process. Returns (engine,
+    tokenizer_factory); raises what building the engine raised (its own type, from either process)."""
+    if not use_engine_process(args):
+        return build_engine(args)
+    import logging
+
+    from trnrt.engine.mp_client import MPEngineClient
+    from trnrt.serve import hf_tokenizer_factory
+
+    model_dir = resolve_model_dir(args)  # here first: the embedded checkpoint is written once, before the child reads it
+    tokenizer_factory = hf_tokenizer_factory(args.tokenizer_path or model_dir)
+    engine = MPEngineClient(engine_core_factory, (args,), log_level=logging.getLogger().getEffectiveLevel())
+    logging.getLogger("trnrt.serve").info("engine core running in process %d", engine.pid)
+    return engine, tokenizer_factory
+
+
+def engine_core_factory(args: ServeArgs):
+    """The engine process's factory (trnrt.engine.core_proc): `build_engine(args)` over there."""
+    engine, _ = build_engine(args)
+    return engine
 
 
 def build_engine(args: ServeArgs):
@@ -475,6 +508,7 @@ def serve(
     response_store_ttl: Annotated[float, typer.Option("--response-store-ttl", help="Seconds a stored response is kept after its last write (0: until evicted for size).", min=0)] = 3600.0,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", "--max-prefill-tokens", help="Tokens one engine step may compute, decodes and prefill chunks together (vLLM's flag; SGLang's --max-prefill-tokens is accepted as the same budget). Default: the largest decode batch + 4 x the largest prefill chunk.", min=1)] = None,
     disable_compiled_cache: Annotated[bool, typer.Option("--disable-compiled-cache/", help="Without --compiled: run eagerly even when `trnrt compile` left graphs of this model and preset in the artifact cache (default: use them when valid).")] = False,
+    engine_process: Annotated[Optional[bool], typer.Option("--engine-process/--engine-in-process", help="Run the engine core (scheduler, model runner, detokenizer) in a process of its own, as SGLang does, so HTTP work and engine steps never wait for each other on one GIL (default: on; --engine-in-process runs it on a thread of the server's process).")] = None,
     chunked_prefill_size: Annotated[Optional[int], typer.Option("--chunked-prefill-size", help="Most tokens in one prefill chunk (SGLang's flag), at most the preset's largest prefill bucket (the default); -1: no chunking (needs --max-num-batched-tokens >= the context length).", min=-1)] = None,
 ) -> None:
     """Serve the HTTP API; see docs/API.md for every route. The main families:
@@ -530,6 +564,7 @@ def serve(
         max_num_batched_tokens=max_num_batched_tokens, chunked_prefill_size=chunked_prefill_size,
         disable_compiled_cache=disable_compiled_cache,
         structured_outputs=structured_outputs, penalties=penalties, prompt_logprobs=prompt_logprobs,
+        engine_process=engine_process,
     )
     check_cache_and_scheduling(args)
     _check_port_free(host, port)  # before the model loads (seconds), not after
@@ -537,7 +572,7 @@ def serve(
     from trnrt.serve.server import run
 
     try:
-        engine, tokenizer_factory = build_engine(args)
+        engine, tokenizer_factory = start_engine(args)
     except ValueError as e:  # a bad checkpoint, preset or compiled artifact: say which, exit 2
         typer.secho(f"error: {e}", err=True, fg="red")
         raise typer.Exit(2)

@@ -321,6 +321,11 @@ class Engine:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.num_steps = 0
+        # An engine in its own process (trnrt.engine.core_proc) forwards outputs over a pipe: its
+        # streams come from `stream_factory(request_id, interval)`, and the engine thread calls
+        # `flush_outputs()` after every loop turn so that a turn's outputs travel in one message.
+        self.stream_factory: Callable[[str, int], OutputStream] = OutputStream
+        self.flush_outputs: Callable[[], None] | None = None
         self._publish_load()
         self.thread = threading.Thread(target=self._run, name="trnrt-engine", daemon=True)
         if start:
@@ -551,7 +556,7 @@ class Engine:
             self._live_ids.update(ids)
         # A non-streamed request's client waits for the final output only: not waking it every
         # step keeps its thread off the GIL while the engine runs (trnrt.engine.stream).
-        streams = [OutputStream(r.request_id, (r.stream_interval or self.stream_interval) if r.stream else 0)
+        streams = [self.stream_factory(r.request_id, (r.stream_interval or self.stream_interval) if r.stream else 0)
                    for r in requests]
         if self.submitted is not None:
             self.submitted.extend(requests)
@@ -798,15 +803,22 @@ class Engine:
                 self._check_pending_flush()
                 if not self.scheduler.has_unfinished_requests():
                     self._update_live()
+                    self._flush_turn()
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
                     continue
                 self.step()
                 self._check_pending_flush()
+                self._flush_turn()
             except Exception:  # never let the engine thread die; fail what was in flight
                 log.exception("engine step failed; aborting in-flight requests")
                 for rid in list(self._streams):
                     self._abort(rid, "internal engine error", finish_type="error")
+                self._flush_turn()
+
+    def _flush_turn(self) -> None:
+        if self.flush_outputs is not None:
+            self.flush_outputs()
 
     def _close(self) -> None:
         """The loop ended (shutdown): end every stream still open and answer every question still
@@ -836,6 +848,7 @@ class Engine:
                 self._pending_flush.reply.set(FlushResult(False, FLUSH_TIMEOUT_MESSAGE))
                 self._pending_flush = None
             self._update_live()
+            self._flush_turn()
         except Exception:  # best effort at exit
             log.exception("engine shutdown cleanup failed")
 

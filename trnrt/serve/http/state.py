@@ -202,6 +202,8 @@ class ServeState:
     def check_accepting(self) -> None:
         if self.shutting_down.is_set():
             raise OpenAIError(503, "The server is shutting down.", type_="service_unavailable")
+        if not getattr(self.engine, "alive", True):  # an engine process that exited (mp_client)
+            raise OpenAIError(503, "The engine process exited.", type_="service_unavailable")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
