@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -63,11 +64,14 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_serve_ready_line_and_graceful_shutdown(tok_dir, sig):
+@pytest.mark.parametrize("sig,layout", [(signal.SIGTERM, "--engine-in-process"), (signal.SIGINT, "--engine-in-process"),
+                                        (signal.SIGTERM, "--engine-process")])
+def test_serve_ready_line_and_graceful_shutdown(tok_dir, sig, layout):
     """The ready line carries the URL; on a signal, new requests get 503, the in-flight stream
-    finishes whole (drain), and the process exits 0."""
-    proc, url = spawn_serve(tok_dir, "--served-model-name", "tiny", "--max-running-requests", "4", "--scripted-step-delay", "0.02")
+    finishes whole (drain), and the process exits 0 (with the engine core in its own process too,
+    which is gone afterwards)."""
+    proc, url = spawn_serve(tok_dir, "--served-model-name", "tiny", "--max-running-requests", "4",
+                            "--scripted-step-delay", "0.02", layout)
     try:
         r = _post(url + "/v1/completions", {"model": "tiny", "prompt": "hello there", "max_tokens": 4})
         assert r["choices"][0]["finish_reason"] in ("stop", "length")
@@ -78,6 +82,8 @@ def test_serve_ready_line_and_graceful_shutdown(tok_dir, sig):
             url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}), timeout=10)
         first = stream.readline()
         assert first.startswith(b"data: ")
+        kids = _children(proc.pid)  # the engine process (and multiprocessing's resource tracker)
+        assert (layout == "--engine-process") == any(b"spawn_main" in pathlib_read(f"/proc/{k}/cmdline") for k in kids)
         proc.send_signal(sig)
         time.sleep(0.05)
         with pytest.raises(urllib.error.HTTPError) as e:
@@ -86,10 +92,74 @@ def test_serve_ready_line_and_graceful_shutdown(tok_dir, sig):
         rest = stream.read().decode()
         assert rest.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in rest
         assert proc.wait(timeout=15) == 0
+        assert _wait_gone(kids)  # no engine process left behind
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _wait_gone(pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(pathlib_read(f"/proc/{p}/cmdline") for p in pids):  # gone (a zombie has no cmdline)
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _children(pid: int) -> list[int]:
+    """Live child processes of `pid` (Linux /proc)."""
+    import pathlib
+
+    out = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_dead_engine_process_fails_its_requests_and_health(tok_dir):
+    """The engine core dies (SIGKILL): the stream in flight ends with an error event, new requests
+    and /health get 503, and the server still shuts down cleanly on a signal."""
+    proc, url = spawn_serve(tok_dir, "--served-model-name", "tiny", "--scripted-step-delay", "0.02",
+                            "--engine-process")
+    try:
+        kids = [k for k in _children(proc.pid)
+                if b"spawn_main" in pathlib_read(f"/proc/{k}/cmdline")]
+        assert len(kids) == 1, kids
+        body = json.dumps({"model": "tiny", "prompt": "one two three", "max_tokens": 2000, "stream": True,
+                           "ignore_eos": True}).encode()
+        stream = urllib.request.urlopen(urllib.request.Request(
+            url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}), timeout=10)
+        assert stream.readline().startswith(b"data: ")
+        os.kill(kids[0], signal.SIGKILL)
+        rest = stream.read().decode()
+        assert "engine process exited" in rest and rest.rstrip().endswith("data: [DONE]")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url + "/health", timeout=10)
+        assert e.value.code == 503
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _post(url + "/v1/completions", {"model": "tiny", "prompt": "late", "max_tokens": 2})
+        assert e.value.code == 503
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def pathlib_read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def test_bad_log_level_is_usage_error(monkeypatch):

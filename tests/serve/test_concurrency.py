@@ -126,6 +126,9 @@ def test_64_concurrent_streams(slow_server):
         t.start()
     try:
         wait_for(lambda: state.active_requests == n, 30.0, "all clients to be admitted")
+        # and submitted: on a loaded box a client can still be tokenizing when the others are in,
+        # and would start after the first ones finished (peak running n - 1)
+        wait_for(lambda: slow_server.engine.load().num_pending_reqs == n, 30.0, "all requests to be submitted")
     finally:
         slow_server.engine.runner.paused.clear()
     for t in threads:
