@@ -145,6 +145,31 @@ def test_config_covers_every_layer_kind(tiny_dir):
     assert t.index_n_heads >= 16
 
 
+def test_checkpoint_has_an_mtp_layer_and_the_base_weights_are_unchanged(tiny_dir):
+    """The embedded checkpoint carries one MTP layer (layers.{N}.*, release naming); every base
+    tensor is byte-identical to the checkpoint as it was before it had one (the MTP weights come
+    from a generator of their own, after the base weights)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from trnrt.models.glm5_next.weights import load_model
+
+    sys.path.insert(0, str(Path(__file__).parent / "models"))
+    from glm5_helpers import BASE_TENSORS_SHA256, base_tensors_digest
+
+    text = json.loads((tiny_dir / "config.json").read_text())["text_config"]
+    assert text["num_nextn_predict_layers"] == 1 and text["index_share_for_mtp_iteration"] is True
+    n = text["num_hidden_layers"]
+    sd = load_file(str(tiny_dir / "model.safetensors"))
+    mtp = {k for k in sd if k.startswith(f"model.language_model.layers.{n}.")}
+    assert len(mtp) == 49 and f"model.language_model.layers.{n}.eh_proj.weight" in mtp
+    assert base_tensors_digest({k: v for k, v in sd.items() if k not in mtp}) == BASE_TENSORS_SHA256
+    m = load_model(tiny_dir, load_mtp=True)
+    assert torch.equal(m.mtp.eh_proj.weight, sd[f"model.language_model.layers.{n}.eh_proj.weight"])
+
+
 def test_swiglu_clamp_bites(tiny_dir, hf_tokenizer):
     import torch
     from transformers import Glm5NextForConditionalGeneration

@@ -4,6 +4,7 @@ transformers, and checkpoint conversion to the release naming."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -137,3 +138,17 @@ def save_single(sd: dict[str, torch.Tensor], out_dir: Path, config_src: Path) ->
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copy(config_src / "config.json", out_dir / "config.json")
     save_file({k: v.detach().contiguous() for k, v in sd.items()}, str(out_dir / "model.safetensors"))
+
+
+# sha256 over (name, dtype, shape, bytes) of every tensor of the seed-0 tiny checkpoint as it was
+# before it had an MTP layer (278 tensors): the MTP addition must leave each one byte-identical.
+BASE_TENSORS_SHA256 = "d2e01f9ed21682f3f87706ec14d9750da05c20d7b2f99cd4b663bc0438e56810"
+
+
+def base_tensors_digest(sd: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(sd):
+        t = sd[k].contiguous()
+        h.update(k.encode() + b"\0" + str(t.dtype).encode() + b"\0" + str(tuple(t.shape)).encode() + b"\0")
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()

@@ -224,3 +224,46 @@ class Glm5NextConfig:
                         "indexer_types",
                         f"shared indexer layer {i} must directly follow a full indexed_attention layer",
                     )
+
+
+@dataclass(frozen=True)
+class Glm5NextMTPConfig:
+    """The MTP ("nextn") fields of a glm5_next config.json (spec §6), kept apart from
+    `Glm5NextConfig` on purpose: that dataclass is hashed into every graph lock and compiled
+    artifact manifest (`model_config_sha256`), and the base model's graphs do not read these.
+
+    num_nextn_predict_layers: MTP layers stored after the decoder (`layers.{num_hidden_layers}.*`);
+        0 when the field is absent. trnrt implements at most one.
+    index_share_for_mtp_iteration: later draft steps of one MTP iteration reuse the first step's
+        indexer top-k (a draft-loop decision; the MTP forward itself always runs its indexer).
+    """
+
+    num_nextn_predict_layers: int = 0
+    index_share_for_mtp_iteration: bool = False
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Glm5NextMTPConfig":
+        """From a config.json dict (fields flat or under `text_config`); validated."""
+        d = dict(raw.get("text_config") or raw)
+        n = d.get("num_nextn_predict_layers")
+        share = d.get("index_share_for_mtp_iteration")
+        cfg = cls(
+            num_nextn_predict_layers=cls.num_nextn_predict_layers if n is None else n,
+            index_share_for_mtp_iteration=cls.index_share_for_mtp_iteration if share is None else share,
+        )
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "Glm5NextMTPConfig":
+        with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    def validate(self) -> None:
+        n = self.num_nextn_predict_layers
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError("num_nextn_predict_layers", f"must be a non-negative integer, got {n!r}")
+        if not isinstance(self.index_share_for_mtp_iteration, bool):
+            raise ConfigError(
+                "index_share_for_mtp_iteration", f"must be a boolean, got {self.index_share_for_mtp_iteration!r}"
+            )

@@ -898,6 +898,9 @@ class Glm5NextForServing(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size)
+        # The MTP layer (mtp.Glm5NextMTP), attached only by load_model(..., load_mtp=True); the
+        # base forward never reads it.
+        self.mtp = None
 
     def prepare(self) -> None:
         """Fuse projections that read the same input (call once after the weights are loaded;
@@ -911,10 +914,22 @@ class Glm5NextForServing(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def allocate_state(self, num_blocks: int, block_size: int, num_slots: int) -> ModelState:
-        """ModelState in this model's dtype and device."""
+    def allocate_state(self, num_blocks: int, block_size: int, num_slots: int, mtp: bool = False) -> ModelState:
+        """ModelState in this model's dtype and device. mtp: also the MTP layer's own stack
+        (`state.mtp`); needs a model loaded with its MTP layer."""
+        if mtp and self.mtp is None:
+            raise ValueError("allocate_state(mtp=True) needs a model with its MTP layer "
+                             "(load_model(..., load_mtp=True))")
         w = self.embed_tokens.weight
-        return ModelState.allocate(self.config, num_blocks, block_size, num_slots, w.dtype, w.device)
+        return ModelState.allocate(self.config, num_blocks, block_size, num_slots, w.dtype, w.device, mtp=mtp)
+
+    def forward_mtp(self, batch: ForwardBatch, prev_hidden: torch.Tensor, state: ModelState,
+                    all_positions: bool = False):
+        """The MTP layer over `state.mtp`, with this model's embedding and lm_head unless the
+        layer has its own (see mtp.Glm5NextMTP.forward). Not part of any graph."""
+        if self.mtp is None or state.mtp is None:
+            raise ValueError("forward_mtp needs the MTP layer (load_mtp=True) and its state (allocate_state(mtp=True))")
+        return self.mtp(batch, prev_hidden, state.mtp, self.embed_tokens.weight, self.head_weight(), all_positions)
 
     def forward(self, batch: ForwardBatch, state: ModelState, all_logits: bool = False) -> ModelOutput:
         """Run S new tokens of B rows; updates `state` in place. See ForwardBatch / ModelOutput.

@@ -39,6 +39,7 @@ class ModelState:
     tail: torch.Tensor  # [n_full, NS, kpool-1, 2, Di]
     block_size: int
     kpool: int
+    mtp: "MTPState | None" = None  # the MTP layer's own cache (allocate(..., mtp=True)); not in tensors()
 
     @classmethod
     def allocate(
@@ -49,13 +50,12 @@ class ModelState:
         num_slots: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        mtp: bool = False,
     ) -> "ModelState":
-        """Zero-initialised state. Block 0 and slot 0 are reserved scratch (see module doc)."""
+        """Zero-initialised state. Block 0 and slot 0 are reserved scratch (see module doc).
+        mtp: also allocate the MTP layer's stack (`.mtp`); off by default."""
         kp = config.index_kpool
-        if block_size <= 0 or block_size % kp:
-            raise ValueError(f"block_size ({block_size}) must be a positive multiple of index_kpool ({kp})")
-        if num_blocks < 2 or num_slots < 2:
-            raise ValueError("num_blocks and num_slots must be >= 2 (block 0 / slot 0 are scratch)")
+        _check_sizes(config, num_blocks, block_size, num_slots)
         z = dict(dtype=dtype, device=device)
         n_mla, n_full, n_kda = len(config.mla_layers), len(config.full_indexer_layers), len(config.kda_layers)
         return cls(
@@ -69,6 +69,7 @@ class ModelState:
             tail=torch.zeros(n_full, num_slots, max(kp - 1, 0), 2, config.index_head_dim, **z),
             block_size=block_size,
             kpool=kp,
+            mtp=MTPState.allocate(config, num_blocks, block_size, num_slots, dtype, device) if mtp else None,
         )
 
     @property
@@ -87,3 +88,65 @@ class ModelState:
         """Copy the per-slot state (KDA, conv window, indexer tail) of one slot to another."""
         for t in (self.kda, self.conv, self.tail):
             t[:, dst].copy_(t[:, src])
+        if self.mtp is not None:
+            self.mtp.copy_slot(src, dst)
+
+
+def _check_sizes(config: Glm5NextConfig, num_blocks: int, block_size: int, num_slots: int) -> None:
+    kp = config.index_kpool
+    if block_size <= 0 or block_size % kp:
+        raise ValueError(f"block_size ({block_size}) must be a positive multiple of index_kpool ({kp})")
+    if num_blocks < 2 or num_slots < 2:
+        raise ValueError("num_blocks and num_slots must be >= 2 (block 0 / slot 0 are scratch)")
+
+
+@dataclass
+class MTPState:
+    """The MTP layer's paged latent + indexer cache: one MLA layer with a full indexer, laid out
+    as ModelState's stacks with n_mla = n_full = 1 (so the MLA / indexer code and kernels index
+    layer 0 of it), over the same block tables and slots as the target. No KDA state: the MTP
+    layer is an MLA layer. Same scratch rule: block 0 and slot 0 are never a sequence's."""
+
+    latent: torch.Tensor  # [1, NB, bs, R]
+    pooled: torch.Tensor  # [1, NB, bs // kpool, Di]
+    tail: torch.Tensor  # [1, NS, kpool-1, 2, Di]
+    block_size: int
+    kpool: int
+
+    @classmethod
+    def allocate(
+        cls,
+        config: Glm5NextConfig,
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> "MTPState":
+        """Zero-initialised MTP stack (same sizes rule as ModelState.allocate)."""
+        _check_sizes(config, num_blocks, block_size, num_slots)
+        kp = config.index_kpool
+        z = dict(dtype=dtype, device=device)
+        return cls(
+            latent=torch.zeros(1, num_blocks, block_size, config.kv_lora_rank, **z),
+            pooled=torch.zeros(1, num_blocks, block_size // kp, config.index_head_dim, **z),
+            tail=torch.zeros(1, num_slots, max(kp - 1, 0), 2, config.index_head_dim, **z),
+            block_size=block_size,
+            kpool=kp,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.latent.shape[1]
+
+    @property
+    def num_slots(self) -> int:
+        return self.tail.shape[1]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The MTP state tensors in a fixed order."""
+        return (self.latent, self.pooled, self.tail)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy the per-slot MTP state (the indexer tail) of one slot to another."""
+        self.tail[:, dst].copy_(self.tail[:, src])

@@ -7,8 +7,13 @@ Two namings are accepted and mapped onto the transformers module naming used by 
   separate `self_attn.{q,k,v}_conv1d.weight`, `hc_attn_*` / `hc_ffn_*`, `self_attn.{f_a_proj,
   f_b_proj,dt_bias,A_log}` (A_log 1-D [H] or any shape with H elements).
 Prefixes `model.language_model.`, `language_model.model.`, `model.`, `language_model.` are accepted.
-The vision tower and the MTP layer (`layers.{num_hidden_layers}.*`, `shared_head.*`) are skipped
-with a log line. A missing, unexpected or mis-shaped tensor raises CheckpointError naming it.
+The vision tower is skipped (a debug line). The MTP layer is skipped with a log line, or, with
+`load_mtp=True`, loaded into `model.mtp` (mtp.Glm5NextMTP) from either of its namings:
+* vLLM / transformers / release: `layers.{num_hidden_layers}.*` (its `enorm`, `hnorm`, `eh_proj`,
+  `shared_head.*`, optional `embed_tokens`, and the block's usual names, per-expert or merged);
+* SGLang (`model.layers.{N}` renamed `model.decoder`): the block under `decoder.*`, and `enorm`,
+  `hnorm`, `eh_proj`, `shared_head.*` directly under the prefix (or under `decoder.` too).
+A missing, unexpected or mis-shaped tensor raises CheckpointError naming it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .config import Glm5NextConfig
+from .config import ConfigError, Glm5NextConfig, Glm5NextMTPConfig
 from .model import Glm5NextForServing
 
 log = logging.getLogger("trnrt.models.glm5_next")
@@ -40,6 +45,8 @@ _RENAMES = (
     (".self_attn.dt_bias", ".self_attn.forget_gate.dt_bias"),
     (".self_attn.A_log", ".self_attn.forget_gate.A_log"),
 )
+# SGLang's NextN module keeps these MTP tensors outside its `decoder` (spec §6).
+_SGLANG_MTP_TOP = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
 
 
 class CheckpointError(ValueError):
@@ -78,8 +85,11 @@ def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def to_serving_names(raw: dict[str, torch.Tensor], cfg: Glm5NextConfig) -> dict[str, torch.Tensor]:
-    """Map checkpoint names (either naming) onto Glm5NextForServing's state-dict names."""
+def to_serving_names(
+    raw: dict[str, torch.Tensor], cfg: Glm5NextConfig, load_mtp: bool = False
+) -> dict[str, torch.Tensor]:
+    """Map checkpoint names (either naming) onto Glm5NextForServing's state-dict names; with
+    load_mtp, the MTP layer's tensors become `mtp.*` (else they are skipped)."""
     n = cfg.num_hidden_layers
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, int, str], torch.Tensor] = {}
@@ -97,10 +107,15 @@ def to_serving_names(raw: dict[str, torch.Tensor], cfg: Glm5NextConfig) -> dict[
             if name.startswith(p):
                 name = name[len(p):]
                 break
+        if name.startswith("decoder."):  # SGLang naming of the MTP layer
+            name = f"layers.{n}." + name[len("decoder."):]
+        elif name.startswith(_SGLANG_MTP_TOP):
+            name = f"layers.{n}." + name
         m = re.match(r"layers\.(\d+)\.(.*)$", name)
         if "shared_head." in name or (m and int(m.group(1)) >= n):
-            skipped_mtp += 1
-            continue
+            if not (load_mtp and m and int(m.group(1)) == n):
+                skipped_mtp += 1
+                continue
         if m:
             i, rest = int(m.group(1)), m.group(2)
             e = re.match(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", rest)
@@ -163,21 +178,36 @@ def to_serving_names(raw: dict[str, torch.Tensor], cfg: Glm5NextConfig) -> dict[
                 )
             parts.append(t)
         out[f"layers.{i}.self_attn.conv1d.weight"] = torch.cat(parts, 0)
+    if load_mtp:  # the MTP layer, processed like a decoder layer above, under its module's names
+        pre = f"layers.{n}."
+        out = {("mtp." + k[len(pre):] if k.startswith(pre) else k): t for k, t in out.items()}
     return out
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    load_mtp: bool = False,
 ) -> Glm5NextForServing:
     """Read config.json + safetensors from `model_dir` and return the serving model (eval mode).
 
     Parameters transformers keeps in fp32 (router bias, conv, dt_bias, A_log, mHC base/scale) stay
     fp32; all others are cast to `dtype`. Raises ConfigError / CheckpointError naming the culprit.
+    load_mtp: also load the MTP layer into `model.mtp` (mtp.Glm5NextMTP; needs
+    `num_nextn_predict_layers: 1`); off: it is skipped and the model is exactly the base model.
     """
     cfg = Glm5NextConfig.from_pretrained(model_dir)
-    sd = to_serving_names(read_safetensors(model_dir), cfg)
+    mtp_cfg = Glm5NextMTPConfig.from_pretrained(model_dir)
+    if load_mtp and mtp_cfg.num_nextn_predict_layers != 1:
+        raise ConfigError("num_nextn_predict_layers",
+                          f"load_mtp needs exactly one MTP layer, the config has {mtp_cfg.num_nextn_predict_layers}")
+    sd = to_serving_names(read_safetensors(model_dir), cfg, load_mtp=load_mtp)
     with torch.device("meta"):
         model = Glm5NextForServing(cfg)
+        if load_mtp:
+            from .mtp import Glm5NextMTP
+
+            model.mtp = Glm5NextMTP(cfg, mtp_cfg, own_embed="mtp.embed_tokens.weight" in sd,
+                                    own_head="mtp.shared_head.head.weight" in sd)
     expected = dict(model.state_dict())
     for name, ref in expected.items():
         if name not in sd:

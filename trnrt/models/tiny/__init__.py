@@ -116,25 +116,90 @@ def randomize_(model, seed: int) -> None:
             if not t.is_floating_point():
                 continue
             noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
-            leaf = name.rsplit(".", 1)[-1]
-            text = "language_model." in name
-            is_norm = "norm" in name and leaf == "weight" and t.dim() == 1
-            if is_norm:
-                val = 1.0 + 0.2 * noise
-            elif text and name.endswith("embed_tokens.weight"):
-                val = noise
-            elif t.dim() >= 2:
-                fan_in = t.shape[-1] if t.dim() == 2 else int(torch.tensor(t.shape[1:]).prod())
-                if t.dim() == 3 and "conv" not in name:
-                    fan_in = t.shape[-1]  # experts [E, out, in]
-                val = noise / (fan_in ** 0.5)
-                if text and name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
-                    val = val * RESIDUAL_OUT_SCALE
-            elif leaf == "e_score_correction_bias":
-                val = ROUTER_BIAS_STD * noise
-            else:
-                val = 0.5 * noise
-            t.copy_(val.to(t.dtype))
+            t.copy_(_scaled(name, noise, text="language_model." in name).to(t.dtype))
+
+
+def _scaled(name: str, noise, text: bool):
+    """The value randomize_ gives tensor `name` from its N(0,1) `noise` (text: a text-model tensor)."""
+    import torch
+
+    leaf = name.rsplit(".", 1)[-1]
+    is_norm = "norm" in name and leaf == "weight" and noise.dim() == 1
+    if is_norm:
+        return 1.0 + 0.2 * noise
+    if text and name.endswith("embed_tokens.weight"):
+        return noise
+    if noise.dim() >= 2:
+        fan_in = noise.shape[-1] if noise.dim() == 2 else int(torch.tensor(noise.shape[1:]).prod())
+        if noise.dim() == 3 and "conv" not in name:
+            fan_in = noise.shape[-1]  # experts [E, out, in]
+        val = noise / (fan_in ** 0.5)
+        if text and name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+            val = val * RESIDUAL_OUT_SCALE
+        return val
+    if leaf == "e_score_correction_bias":
+        return ROUTER_BIAS_STD * noise
+    return 0.5 * noise
+
+
+# The tiny checkpoint's MTP ("nextn") layer (spec §6): config.json fields and the seed offset of
+# its own generator (its weights never draw from randomize_'s stream, so the base weights are the
+# same with or without it).
+TINY_MTP_CONFIG: dict = dict(num_nextn_predict_layers=1, index_share_for_mtp_iteration=True)
+TINY_MTP_SEED_OFFSET = 0x4D5450  # "MTP"
+
+
+def mtp_tensors(seed: int, text_overrides: dict | None = None) -> dict:
+    """The tiny MTP layer's tensors, release-named (`model.language_model.layers.{N}.*`, per-expert
+    weights), drawn by randomize_'s rules from a generator of its own (seed + TINY_MTP_SEED_OFFSET),
+    in sorted parameter-name order. No `embed_tokens` / `shared_head.head`: the target's are shared."""
+    import torch
+
+    from trnrt.models.glm5_next.config import Glm5NextConfig
+    from trnrt.models.glm5_next.mtp import Glm5NextMTP
+
+    cfg = Glm5NextConfig.from_dict(tiny_text_config(**(text_overrides or {})))
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Glm5NextMTP(cfg).state_dict().items()}
+    gen = torch.Generator().manual_seed(seed + TINY_MTP_SEED_OFFSET)
+    pre = f"model.language_model.layers.{cfg.num_hidden_layers}."
+    inter = cfg.moe_intermediate_size
+    out = {}
+    for name in sorted(shapes):
+        val = _scaled(name, torch.randn(shapes[name], generator=gen, dtype=torch.float32), text=True)
+        if name == "mlp.experts.gate_up_proj":  # [E, 2I, D]: gate rows, then up rows
+            for e in range(val.shape[0]):
+                out[f"{pre}mlp.experts.{e}.gate_proj.weight"] = val[e, :inter].clone()
+                out[f"{pre}mlp.experts.{e}.up_proj.weight"] = val[e, inter:].clone()
+        elif name == "mlp.experts.down_proj":  # [E, D, I]
+            for e in range(val.shape[0]):
+                out[f"{pre}mlp.experts.{e}.down_proj.weight"] = val[e].clone()
+        else:
+            out[pre + name] = val
+    return out
+
+
+def add_mtp_layer(model_dir, seed: int = 0) -> None:
+    """Add the tiny MTP layer to a tiny checkpoint written by save_pretrained: its tensors
+    (mtp_tensors) into model.safetensors (the base tensors keep their bytes) and TINY_MTP_CONFIG
+    into config.json's text_config. Deterministic: same seed, same bytes."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    d = Path(model_dir)
+    cfg_path = d / "config.json"
+    raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    sd = load_file(str(d / "model.safetensors"))
+    extra = mtp_tensors(seed)
+    clash = sorted(set(sd) & set(extra))
+    if clash:
+        raise ValueError(f"{d} already has MTP tensors ({clash[0]}, ...)")
+    sd.update(extra)
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    raw["text_config"].update(TINY_MTP_CONFIG)
+    # transformers' own config.json layout (to_json_string): sorted keys, 2-space indent, newline.
+    cfg_path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def build_hf_model(seed: int = 0, text_overrides: dict | None = None, dtype: str = "float32"):

@@ -17,7 +17,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from trnrt.models.tiny import TINY_TEXT_CONFIG, TINY_VISION_CONFIG, build_hf_model
+from trnrt.models.tiny import TINY_MTP_CONFIG, TINY_TEXT_CONFIG, TINY_VISION_CONFIG, add_mtp_layer, build_hf_model
 
 # Bump when the checkpoint's content changes in a way the digest below cannot see.
 TINY_CHECKPOINT_VERSION = 1
@@ -67,6 +67,7 @@ def write_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0) -> Path:
         model.generation_config = GenerationConfig(eos_token_id=stop_ids, pad_token_id=ids[EOS_TOKEN])
         with _quiet_progress_bars():
             model.save_pretrained(tmp)
+        add_mtp_layer(tmp, seed)  # after, from its own generator: the base weights are unchanged
         shutil.copyfile(CHAT_TEMPLATE_PATH, tmp / "chat_template.jinja")
         # transformers writes model.safetensors 0600 (via a private temp file); give every file
         # the umask's mode, the one the tokenizer files were just created with.
@@ -134,7 +135,7 @@ def default_model_name() -> str:
 
     h = hashlib.sha256()
     h.update(f"v{TINY_CHECKPOINT_VERSION}\n".encode())
-    h.update(json.dumps([TINY_TEXT_CONFIG, TINY_VISION_CONFIG], sort_keys=True).encode())
+    h.update(json.dumps([TINY_TEXT_CONFIG, TINY_VISION_CONFIG, TINY_MTP_CONFIG], sort_keys=True).encode())
     for pkg in ("transformers", "tokenizers"):
         h.update(f"{pkg}={metadata.version(pkg)}\n".encode())
     here = Path(__file__).parent
