@@ -49,6 +49,8 @@ def test_help_does_not_import_torch():
         "trnrt.engine.messages",
         "trnrt.engine.scripted_runner",
         "trnrt.engine.engine",
+        "trnrt.engine.mp_client",
+        "trnrt.engine.core_proc",
         "trnrt.stats",
         "trnrt.top.app",
         "trnrt.cli.top",

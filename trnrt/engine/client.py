@@ -28,6 +28,11 @@ FLUSH_IN_PROGRESS_MESSAGE = "Another flush_cache is already in progress."
 ABORT_WAITING_MESSAGE = "Abort in waiting queue"
 
 
+class EngineDeadError(RuntimeError):
+    """The engine is shutting down, or its thread or process died; no new requests are accepted.
+    (Defined here, with the protocol, so that a client in another process raises the same type.)"""
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """Static facts about the served model that request validation needs."""

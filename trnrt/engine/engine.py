@@ -33,6 +33,7 @@ from trnrt.engine.client import (
     FLUSH_IN_PROGRESS_MESSAGE,
     FLUSH_OK_MESSAGE,
     FLUSH_TIMEOUT_MESSAGE,
+    EngineDeadError,
     EngineLoad,
     FlushResult,
     ModelInfo,
@@ -100,10 +101,6 @@ def special_token_id(tokenizer, text: str) -> int | None:
             if isinstance(i, int) and i >= 0 and (i != unk or unk is None):
                 return i
     return None
-
-
-class EngineDeadError(RuntimeError):
-    """The engine is shutting down or its thread died; no new requests are accepted."""
 
 
 def read_eos_token_ids(model_dir: Path, tokenizer) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Callable
 
-from trnrt.engine.client import EngineLoad, FlushResult, FLUSH_BUSY_MESSAGE, FLUSH_TIMEOUT_MESSAGE
+from trnrt.engine.client import EngineDeadError, EngineLoad, FlushResult, FLUSH_BUSY_MESSAGE, FLUSH_TIMEOUT_MESSAGE
 from trnrt.engine.ipc import unpack_exception
 from trnrt.engine.outputs import RequestOutput
 from trnrt.engine.request import FinishReason, GenerateRequest, InvalidRequestError
@@ -199,8 +199,6 @@ class MPEngineClient:
         for rid, stream in streams.items():
             stream.put(RequestOutput(rid, finished=True, error=message,
                                      finish_reason=FinishReason("abort", message=message, status_code=503)))
-        from trnrt.engine.engine import EngineDeadError
-
         for pending in calls.values():
             pending.set((False, None, EngineDeadError(message)))
 
@@ -211,8 +209,6 @@ class MPEngineClient:
         return self._dead is None and self._proc.is_alive()
 
     def _send(self, msg) -> None:
-        from trnrt.engine.engine import EngineDeadError
-
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         try:
@@ -254,8 +250,6 @@ class MPEngineClient:
         return self.submit_many([request])[0]
 
     def submit_many(self, requests: list[GenerateRequest]) -> list[OutputStream]:
-        from trnrt.engine.engine import EngineDeadError
-
         if self._closing or self._dead is not None:
             raise EngineDeadError(self._dead or "the engine is not accepting requests (shutting down)")
         ids = [r.request_id for r in requests]
