@@ -41,7 +41,7 @@ from trnrt.engine.client import (
 from trnrt.engine.detokenizer import IncrementalDetokenizer
 from trnrt.engine.messages import AbortMatchingMsg, AbortMsg, FlushCacheMsg, LoadQueryMsg, Reply, SubmitMsg
 from trnrt.engine.outputs import RequestOutput, RowInput, RunnerOutput, SchedulerOutput, TokenLogprob
-from trnrt.engine.request import FinishReason, GenerateRequest, InvalidRequestError
+from trnrt.engine.request import FinishReason, GenerateRequest, InvalidRequestError, check_new_request_ids
 from trnrt.engine.scheduler import Scheduler, SchedulerConfig
 from trnrt.engine.sequence import SequenceStatus
 from trnrt.engine.stop import StopChecker, is_token_stop
@@ -545,11 +545,7 @@ class Engine:
             self._prepare(request)
         ids = [r.request_id for r in requests]
         with self._live_lock:
-            seen: set[str] = set()
-            for rid in ids:
-                if rid in self._live_ids or rid in seen:
-                    raise InvalidRequestError(f"Duplicate request ID detected: {rid}", field="rid")
-                seen.add(rid)
+            check_new_request_ids(ids, self._live_ids)
             self._live_ids.update(ids)
         # A non-streamed request's client waits for the final output only: not waking it every
         # step keeps its thread off the GIL while the engine runs (trnrt.engine.stream).

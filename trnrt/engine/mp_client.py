@@ -28,7 +28,7 @@ from typing import Callable
 from trnrt.engine.client import EngineDeadError, EngineLoad, FlushResult, FLUSH_BUSY_MESSAGE, FLUSH_TIMEOUT_MESSAGE
 from trnrt.engine.ipc import unpack_exception
 from trnrt.engine.outputs import RequestOutput
-from trnrt.engine.request import FinishReason, GenerateRequest, InvalidRequestError
+from trnrt.engine.request import FinishReason, GenerateRequest, check_new_request_ids
 from trnrt.engine.stream import OutputStream
 
 log = logging.getLogger("trnrt.engine.mp_client")
@@ -255,11 +255,7 @@ class MPEngineClient:
         ids = [r.request_id for r in requests]
         streams = [OutputStream(rid, 1) for rid in ids]  # the engine side already merges per interval
         with self._lock:
-            seen: set[str] = set()
-            for rid in ids:
-                if rid in self._streams or rid in seen:
-                    raise InvalidRequestError(f"Duplicate request ID detected: {rid}", field="rid")
-                seen.add(rid)
+            check_new_request_ids(ids, self._streams)
             # Registered before sending: the first outputs may arrive before the submit's reply.
             self._streams.update(zip(ids, streams))
         try:

@@ -21,6 +21,16 @@ class InvalidRequestError(ValueError):
         self.field = field
 
 
+def check_new_request_ids(ids: list[str], live) -> None:
+    """Refuse a batch whose ids are in flight (`rid in live`) or repeated within it: SGLang's
+    message, naming the field `rid`."""
+    seen: set[str] = set()
+    for rid in ids:
+        if rid in live or rid in seen:
+            raise InvalidRequestError(f"Duplicate request ID detected: {rid}", field="rid")
+        seen.add(rid)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Defaults match SGLang's (`srt/sampling/sampling_params.py`).
