@@ -72,16 +72,18 @@ class Env:
     def state(self):
         return self.runner.state
 
-    def new_seq(self, rid: str, prompt: list[int]) -> Sequence:
-        seq = Sequence(request_id=rid, prompt_token_ids=list(prompt), sampling_params=SamplingParams(temperature=0.0))
+    def new_seq(self, rid: str, prompt: list[int], temperature: float = 0.0, seed: int = 0) -> Sequence:
+        sp = SamplingParams(temperature=temperature, seed=seed)
+        seq = Sequence(request_id=rid, prompt_token_ids=list(prompt), sampling_params=sp)
         self.cm.allocate_blocks_for(seq, len(prompt))
         self.seqs[rid] = seq
         return seq
 
     @staticmethod
     def row(seq: Sequence, token_ids: list[int], start: int) -> RowInput:
+        sp = seq.sampling_params
         return RowInput(token_ids=list(token_ids), start_pos=start, block_ids=list(seq.block_ids), slot_id=seq.slot_id,
-                        temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, num_logprobs=None,
+                        temperature=sp.temperature, top_p=1.0, top_k=-1, min_p=0.0, seed=sp.seed, num_logprobs=None,
                         request_id=seq.request_id)
 
     def plain_greedy(self, prompts: dict[str, list[int]], n_tokens: int, suffix: str = "") -> dict[str, list[int]]:
@@ -102,10 +104,12 @@ class Env:
                 self.seqs[rid + suffix].num_computed_tokens += 1
         return out
 
-    def spec_prefill(self, sd: SpecDecoder, prompts: dict[str, list[int]], suffix: str = "") -> dict[str, list[int]]:
+    def spec_prefill(self, sd: SpecDecoder, prompts: dict[str, list[int]], suffix: str = "",
+                     sampling: dict[str, tuple[float, int]] | None = None) -> dict[str, list[int]]:
+        """sampling: request -> (temperature, seed); greedy when absent."""
         out = {}
         for rid, prompt in prompts.items():
-            seq = self.new_seq(rid + suffix, prompt)
+            seq = self.new_seq(rid + suffix, prompt, *(sampling or {}).get(rid, (0.0, 0)))
             out[rid] = [sd.prefill(self.row(seq, prompt, 0))]
             seq.num_computed_tokens = len(prompt)
         return out
@@ -144,6 +148,13 @@ def _prompts():
     return {"a": tokens(41, 11).tolist(), "b": tokens(42, 19).tolist()}
 
 
+def _same_prefix(spec: list[int], plain: list[int]) -> None:
+    """The speculative tokens equal plain decoding's over at least N_SPEC tokens (a row that
+    finishes first keeps stepping while the others catch up, possibly past the plain run)."""
+    n = min(len(spec), len(plain))
+    assert n >= N_SPEC and spec[:n] == plain[:n]
+
+
 # corrupted draft positions, as offsets from the prompt's end (see test_oracle_patterns)
 CORRUPT = {"a": (4, 5, 9, 13, 14, 16), "b": (2, 3, 7, 11, 12, 18)}
 N_PLAIN, N_SPEC = 30, 20
@@ -166,8 +177,7 @@ def test_greedy_spec_with_oracle_equals_plain_decoding(spec_model, k):
     out = env.spec_prefill(sd, prompts)
     log = env.spec_steps(sd, out, N_SPEC)
     for rid in prompts:
-        assert len(out[rid]) >= N_SPEC
-        assert out[rid] == plain[rid][: len(out[rid])], rid
+        _same_prefix(out[rid], plain[rid])
         ns = [n for r, L, n in log if r == rid]
         assert [oracle.expected_accepted(rid, L, k) for r, L, n in log if r == rid] == ns
         assert 0 in ns and k in ns and any(0 < n < k for n in ns), (rid, ns)
@@ -190,6 +200,29 @@ def test_spec_prefill_is_the_runners_prefill(spec_model):
     for name in ("latent", "pooled"):
         t = getattr(st, name)
         assert torch.equal(t[:, a.block_ids], t[:, b.block_ids]), name
+
+
+def test_mixed_greedy_and_sampled_batch(spec_model):
+    """A greedy and a seeded sampled row in one batch run the full rule (rejection sampling for
+    the sampled row): the greedy row is still plain greedy decoding token for token; the sampled
+    row's run is reproducible (same seed, same tokens), accepts oracle drafts while it follows the
+    greedy run and leaves it (temperature 0.1: the random model's distributions are flat)."""
+    prompts = _prompts()
+    sampling = {"b": (0.1, 1234)}
+    runs, logs = [], []
+    for _ in range(2):
+        env = Env(spec_model)
+        plain = env.plain_greedy(prompts, N_PLAIN, suffix="-plain")
+        recorded = {rid: prompts[rid] + plain[rid] for rid in prompts}
+        sd = SpecDecoder(env.runner, OracleDrafter(recorded, V, {"a": {len(prompts["a"]) + 5}}, check=False), 3,
+                         env.ckpts)
+        out = env.spec_prefill(sd, prompts, sampling=sampling)
+        logs.append(env.spec_steps(sd, out, N_SPEC))
+        _same_prefix(out["a"], plain["a"])
+        runs.append(out)
+    assert runs[0] == runs[1] and logs[0] == logs[1]
+    assert runs[0]["b"] != plain["b"][: len(runs[0]["b"])]  # it samples
+    assert any(n > 0 for r, _, n in logs[0] if r == "b")
 
 
 # ----------------------------------------------------------------------------- (b) state after rollback
@@ -267,7 +300,7 @@ def test_greedy_spec_with_mtp_drafter_equals_plain_decoding(spec_model, k, repor
     out = env.spec_prefill(sd, prompts)
     log = env.spec_steps(sd, out, N_SPEC)
     for rid in prompts:
-        assert out[rid] == plain[rid][: len(out[rid])], rid
+        _same_prefix(out[rid], plain[rid])
     rate = sum(n for *_, n in log) / (k * len(log))
     report[f"MTP drafter k={k} acceptance rate (random tiny model)"] = rate
     _check_mtp_cache(env, drafter, prompts, out)
@@ -303,7 +336,7 @@ def test_mtp_cache_follows_the_accepted_tokens(spec_model):
     log = env.spec_steps(sd, out, N_SPEC)
     assert {n for *_, n in log} == {0, 1, 3}
     for rid in prompts:
-        assert out[rid] == plain[rid][: len(out[rid])], rid
+        _same_prefix(out[rid], plain[rid])
     _check_mtp_cache(env, mtp, prompts, out)
 
 
