@@ -403,7 +403,7 @@ def test_no_page_slot_or_checkpoint_leak(spec_model, monkeypatch):
     assert not drafter._pending and not drafter._computed
 
 
-def test_step_refuses_a_short_block_table(spec_model):
+def test_step_refuses_a_short_block_table_and_the_end_of_the_context(spec_model):
     env = Env(spec_model)
     prompt = tokens(46, 15).tolist()  # 15 tokens: 2 pages; a verify of k=2 at 15 needs 18 tokens: 3 pages
     sd = SpecDecoder(env.runner, OracleDrafter({"s": prompt}, V), 2, env.ckpts)
@@ -411,6 +411,9 @@ def test_step_refuses_a_short_block_table(spec_model):
     seq = env.seqs["s"]
     with pytest.raises(ValueError, match="block table"):
         sd.step([env.row(seq, out["s"], 15)])
+    near_end = env.row(seq, out["s"], env.cfg.max_model_len - 2)  # a verify would pass max_model_len
+    with pytest.raises(ValueError, match="max_model_len"):
+        sd.step([near_end])
     assert env.ckpts.num_free == env.ckpts.size
 
 

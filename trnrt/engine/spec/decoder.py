@@ -12,10 +12,11 @@ decoding of the same tokens leaves a sequence. Groups of at most the largest dec
 together, padded to a decode bucket (padding rows: slot 0, block 0), with the block table cut to
 the decode context bucket holding L + k + 1 tokens; the verify shape is [bucket, k + 1].
 
-Precondition per row (RowInput): token_ids = [the last sampled token], start_pos = L, block_ids
-covering L + k + 1 tokens (pages.ensure_lookahead), request_id known to the drafter. Not here
-yet: the scheduler driving it, logprobs of emitted tokens, logits processors / penalties /
-grammars, compiled graphs.
+Precondition per row (RowInput): token_ids = [the last sampled token], start_pos = L with
+L + k + 1 <= max_model_len, block_ids covering L + k + 1 tokens (pages.ensure_lookahead),
+request_id known to the drafter. Not here yet: the scheduler driving it (choosing k near the
+end, stops inside the emitted tokens), logprobs of emitted tokens, logits processors /
+penalties / grammars, compiled graphs.
 """
 
 from __future__ import annotations
@@ -84,10 +85,13 @@ class SpecDecoder:
     def step(self, rows: Sequence[RowInput]) -> list[SpecOutput]:
         """One speculative decode step for decode rows (see the module doc). Returns one
         SpecOutput per row, in order."""
-        bs = self.runner.cfg.block_size
+        bs, max_len = self.runner.cfg.block_size, self.runner.cfg.max_model_len
         for r in rows:
             if len(r.token_ids) != 1:
                 raise ValueError(f"{r.request_id}: a speculative decode row feeds its one last token")
+            if r.start_pos + self.k + 1 > max_len:  # past the table a position would alias its last page
+                raise ValueError(f"{r.request_id}: a verify at {r.start_pos} with k={self.k} passes "
+                                 f"max_model_len {max_len}")
             if len(r.block_ids) < cdiv(r.start_pos + self.k + 1, bs):
                 raise ValueError(f"{r.request_id}: block table holds {len(r.block_ids)} pages, a verify at "
                                  f"{r.start_pos} with k={self.k} needs {cdiv(r.start_pos + self.k + 1, bs)}")
