@@ -50,7 +50,8 @@ class OracleDrafter(Drafter):
             seq = self.sequences[r.request_id]
             L = r.start_pos
             if self.check and L < len(seq) and seq[L] != r.token_ids[0]:
-                raise AssertionError(f"{r.request_id}: last token {r.token_ids[0]} at {L}, the recorded run has {seq[L]}")
+                raise AssertionError(f"{r.request_id}: last token {r.token_ids[0]} at {L}, "
+                                     f"the recorded run has {seq[L]}")
             drafts = [self.draft_at(r.request_id, L + j) for j in range(1, k + 1)]
             self.proposals.append((r.request_id, L, drafts))
             out.append(drafts)

@@ -45,8 +45,9 @@ class SlotSnapshots:
         if getattr(runner, "_ckpt", None) is None:
             raise ValueError("speculative rollback needs the checkpoint pool: call "
                              "runner.allocate_cache_tiers(num_checkpoints, ...) first")
-        if pool.size > runner._ckpt["kda"].shape[1]:
-            raise ValueError(f"{pool.name} pool of {pool.size} ids > the runner's {runner._ckpt['kda'].shape[1]} checkpoints")
+        n_ckpt = runner._ckpt["kda"].shape[1]
+        if pool.size > n_ckpt:
+            raise ValueError(f"{pool.name} pool of {pool.size} ids > the runner's {n_ckpt} checkpoints")
         self.runner = runner
         self.pool = pool
 

@@ -16,7 +16,6 @@ Eager only for now: no graph of the catalogue holds it.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from trnrt.engine.spec.rejection import accept, accept_greedy
