@@ -73,10 +73,13 @@ class ForwardBatch:
 @dataclass
 class ModelOutput:
     """logits: [B, V] fp32 at each row's last valid token, or [B, S, V] with all_logits.
-    hidden: [B, D] final hidden state (after the mHC mean collapse and final norm) at that token."""
+    hidden: [B, D] final hidden state (after the mHC mean collapse and final norm) at that token.
+    hidden_all: [B, S, D] that state at every position with all_logits (speculative verify feeds
+    it to the MTP drafter), else None."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
+    hidden_all: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------- primitives
@@ -951,6 +954,7 @@ class Glm5NextForServing(nn.Module):
             h = self.norm(streams.mean(2))  # [B,S,D]
             logits = F.linear(h, head).float()
             hidden = h.gather(1, last.view(B, 1, 1).expand(B, 1, h.shape[-1])).squeeze(1)
+            return ModelOutput(logits=logits, hidden=hidden, hidden_all=h)
         else:
             st = streams.gather(1, last.view(B, 1, 1, 1).expand(B, 1, *streams.shape[2:])).squeeze(1)  # [B,N,D]
             hidden = self.norm(st.mean(1))  # [B,D]

@@ -1,0 +1,135 @@
+"""SpecDecoder: one speculative decode step for a batch of decode rows, at the runner level.
+
+    drafts   = drafter.propose(rows, k)                        # [B, k]
+    ckpt     = save the rows' slots                            # rollback.SlotSnapshots
+    verify   [last, d_1 .. d_k] per row -> tokens, n, hidden   # verify.VerifyFunction
+    rollback rows with n < k: restore the slot, re-run [last, d_1 .. d_n]
+    release  ckpt;  drafter.observe(hidden of L .. L+n, emitted tokens)
+
+Each row emits n + 1 tokens (its accepted drafts, then the correction or bonus token) and ends at
+computed length L + n + 1 with its last emitted token not yet in the cache: exactly where plain
+decoding of the same tokens leaves a sequence. Groups of at most the largest decode bucket run
+together, padded to a decode bucket (padding rows: slot 0, block 0), with the block table cut to
+the decode context bucket holding L + k + 1 tokens; the verify shape is [bucket, k + 1].
+
+Precondition per row (RowInput): token_ids = [the last sampled token], start_pos = L with
+L + k + 1 <= max_model_len, block_ids covering L + k + 1 tokens (pages.ensure_lookahead),
+request_id known to the drafter. Not here yet: the scheduler driving it (choosing k near the
+end, stops inside the emitted tokens), logprobs of emitted tokens, logits processors /
+penalties / grammars, compiled graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import torch
+
+from trnrt.engine.cache_manager import IdPool, cdiv
+from trnrt.engine.outputs import RowInput
+from trnrt.engine.spec.drafter import Drafter
+from trnrt.engine.spec.prefill import prefill_chunk
+from trnrt.engine.spec.rollback import SlotSnapshots, rerun_row
+from trnrt.engine.spec.verify import VerifyFunction
+
+
+@dataclass
+class SpecOutput:
+    """One row's result: token_ids (1 .. k+1: accepted drafts, then the correction / bonus
+    token), num_accepted (drafts accepted, 0 .. k), drafts (what the drafter proposed)."""
+
+    token_ids: list[int]
+    num_accepted: int
+    drafts: list[int]
+
+
+class SpecDecoder:
+    """Speculative decoding over a ModelRunner's model and state (eager).
+
+    runner: the ModelRunner (its `_pack`, `apply_cache_ops`, checkpoint pool); drafter: a
+    Drafter; k: drafts per step (>= 1); checkpoints: the IdPool of the runner's checkpoint pool
+    (one free id per row of a step, held only during the step).
+    """
+
+    def __init__(self, runner, drafter: Drafter, k: int, checkpoints: IdPool):
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.runner = runner
+        self.drafter = drafter
+        self.k = k
+        self.snapshots = SlotSnapshots(runner, checkpoints)
+        self.verify_fns = {g: VerifyFunction(runner.model, runner.state, greedy_only=g) for g in (False, True)}
+        self.num_rollbacks = 0  # rows re-run (n < k), for tests and stats
+
+    # -- prefill ------------------------------------------------------------------------------
+
+    def prefill(self, row: RowInput) -> int:
+        """Prefill a whole prompt (row.token_ids from row.start_pos, in chunks of the largest
+        prefill bucket), feeding the drafter every position's hidden state. Returns the first
+        sampled token (the row's block table must cover the prompt)."""
+        ids = list(row.token_ids)
+        C = self.runner.cfg.max_prefill_tokens
+        tok = None
+        for s in range(0, len(ids), C):
+            chunk = replace(row, token_ids=ids[s: s + C], start_pos=row.start_pos + s)
+            tok, hidden = prefill_chunk(self.runner, chunk)
+            nxt = ids[s + 1: s + C + 1]
+            if len(nxt) < len(chunk.token_ids):
+                nxt = nxt + [tok]  # the last prompt position is followed by the sampled token
+            self.drafter.observe(row.request_id, chunk.start_pos, nxt, hidden)
+        return tok
+
+    # -- the speculative step -----------------------------------------------------------------
+
+    def step(self, rows: Sequence[RowInput]) -> list[SpecOutput]:
+        """One speculative decode step for decode rows (see the module doc). Returns one
+        SpecOutput per row, in order."""
+        bs, max_len = self.runner.cfg.block_size, self.runner.cfg.max_model_len
+        for r in rows:
+            if len(r.token_ids) != 1:
+                raise ValueError(f"{r.request_id}: a speculative decode row feeds its one last token")
+            if r.start_pos + self.k + 1 > max_len:  # past the table a position would alias its last page
+                raise ValueError(f"{r.request_id}: a verify at {r.start_pos} with k={self.k} passes "
+                                 f"max_model_len {max_len}")
+            if len(r.block_ids) < cdiv(r.start_pos + self.k + 1, bs):
+                raise ValueError(f"{r.request_id}: block table holds {len(r.block_ids)} pages, a verify at "
+                                 f"{r.start_pos} with k={self.k} needs {cdiv(r.start_pos + self.k + 1, bs)}")
+        out: list[SpecOutput] = []
+        maxb = self.runner.cfg.max_decode_batch
+        for g in range(0, len(rows), maxb):
+            out.extend(self._step_group(list(rows[g: g + maxb])))
+        return out
+
+    def _step_group(self, rows: list[RowInput]) -> list[SpecOutput]:
+        runner, k = self.runner, self.k
+        n_rows = len(rows)
+        drafts = self.drafter.propose(rows, k).tolist()  # [B][k]
+        vrows = [replace(r, token_ids=[r.token_ids[0], *d]) for r, d in zip(rows, drafts)]
+        batch = runner.cfg.decode_bucket(n_rows)
+        context = runner.cfg.context_bucket(max(r.start_pos + k + 1 for r in rows))
+        greedy = all(r.temperature <= 0.0 for r in rows)
+        fn = self.verify_fns[greedy]
+        ckpt = self.snapshots.save([r.slot_id for r in rows])
+        try:
+            with torch.inference_mode():
+                inputs = runner._pack(vrows, batch, k + 1, context)
+                probs = self.drafter.draft_probs
+                token_ids, num_acc, hidden = fn(*inputs, draft_probs=probs)
+                token_ids, num_acc = token_ids[:n_rows].tolist(), num_acc[:n_rows].tolist()
+                hidden = hidden[:n_rows]
+                partial = [i for i in range(n_rows) if num_acc[i] < k]
+                if partial:
+                    self.snapshots.restore([ckpt[i] for i in partial], [rows[i].slot_id for i in partial])
+                    again = [rerun_row(rows[i], drafts[i], num_acc[i]) for i in partial]
+                    fn.extend(*runner._pack(again, runner.cfg.decode_bucket(len(again)), k + 1, context))
+                    self.num_rollbacks += len(partial)
+        finally:
+            self.snapshots.release(ckpt)
+        results = []
+        for i, r in enumerate(rows):
+            n = num_acc[i]
+            emitted = token_ids[i][: n + 1]
+            self.drafter.observe(r.request_id, r.start_pos, emitted, hidden[i, : n + 1])
+            results.append(SpecOutput(token_ids=emitted, num_accepted=n, drafts=drafts[i]))
+        return results

@@ -1,0 +1,148 @@
+"""Drafters: who proposes the k draft tokens of a speculative decode step.
+
+A drafter sees the decode rows of a step (`RowInput`: token_ids = [the row's last token, the one
+not in the cache yet], start_pos = the tokens already in the cache, block table, slot) and
+returns k draft ids per row. Drafts are deterministic here (a one-hot q for the rejection rule):
+the MTP drafter takes the argmax of each MTP step, whatever the row's temperature, which keeps the
+output distribution exact for sampled rows (trnrt.engine.spec.rejection) at the cost of a lower
+acceptance rate than drafting from q.
+
+`observe` hands the drafter what the target computed: the final hidden states of positions
+start_pos .. start_pos + n - 1 and the token that follows each one. The MTP drafter needs both
+(its row p reads the target's h_p and the token at p + 1); others ignore them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from trnrt.engine.outputs import RowInput
+
+
+class Drafter:
+    """The interface (and a no-op base): `propose` is required, the rest optional."""
+
+    #: The drafter's distributions [B, k, V] of its last proposal, or None (deterministic drafts).
+    draft_probs: torch.Tensor | None = None
+
+    def propose(self, rows: Sequence[RowInput], k: int) -> torch.Tensor:
+        """k draft tokens for each decode row -> [len(rows), k] int64 (CPU)."""
+        raise NotImplementedError
+
+    def observe(self, request_id: str, start_pos: int, next_ids: Sequence[int], hidden: torch.Tensor) -> None:
+        """The target computed positions start_pos .. start_pos + n - 1: hidden [n, D] (final
+        hidden state after the final norm), next_ids[i] = the token at start_pos + i + 1."""
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """These requests are finished: drop what the drafter keeps for them."""
+
+
+class MTPDrafter(Drafter):
+    """k steps of the model's MTP layer (`model.forward_mtp`, spec §6) over `state.mtp`.
+
+    Per request it keeps the MTP's computed length M (positions 0..M-1 of the MTP cache hold
+    target hidden states and real tokens) and the observed positions not yet fed to it. `propose`:
+
+    1. catch-up: one MTP extend over each row's pending positions M .. L-1 (L = start_pos, the
+       target's computed length: row L-1 reads the row's last token and h_{L-1}); its last row's
+       argmax is draft 1, its h_next the next step's h_prev. The MTP cache now holds 0..L-1;
+    2. k - 1 MTP decode steps at positions L .. L+k-2, fed the previous draft and the previous
+       h_next (the MTP's own post-norm output, as vLLM / SGLang recycle it);
+    3. the MTP's indexer tail (its only per-slot state) is put back as it was after step 1: the
+       draft positions L.. are not verified yet. Their latent / pooled-key pages are positional
+       and are rewritten by the next catch-up (which starts at L) before anything reads them.
+
+    So after every propose the MTP cache is consistent with the accepted tokens up to L-1. The
+    layer runs its own indexer at every step (`index_share_for_mtp_iteration`, reusing step 0's
+    top-k on later steps, is not implemented: it changes draft quality, not correctness).
+    Padding: rows padded to the runner's decode bucket (slot 0, block 0), block tables cut to the
+    decode context bucket that holds L + k + 1 tokens. Eager only; no graph holds the MTP yet.
+    """
+
+    def __init__(self, runner):
+        st = runner.state
+        if runner.model.mtp is None or st.mtp is None:
+            raise ValueError("MTPDrafter needs a model with its MTP layer and state allocated with mtp=True")
+        self.runner = runner
+        self._computed: dict[str, int] = {}  # request -> MTP computed length M
+        self._pending: dict[str, tuple[list[int], list[torch.Tensor]]] = {}  # next ids, hidden rows
+
+    def observe(self, request_id: str, start_pos: int, next_ids: Sequence[int], hidden: torch.Tensor) -> None:
+        ids, hid = self._pending.setdefault(request_id, ([], []))
+        m = self._computed.setdefault(request_id, start_pos)
+        if start_pos != m + len(ids):
+            raise ValueError(f"{request_id}: observed position {start_pos}, the MTP expects {m + len(ids)}")
+        if hidden.shape[0] != len(next_ids):
+            raise ValueError(f"{request_id}: {hidden.shape[0]} hidden rows for {len(next_ids)} tokens")
+        ids.extend(int(t) for t in next_ids)
+        hid.append(hidden.detach())
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._computed.pop(rid, None)
+            self._pending.pop(rid, None)
+
+    # -- the draft loop ---------------------------------------------------------------------
+
+    def _batch(self, rows, ids, start, num, tokens: int, k: int):
+        """ForwardBatch of len(rows) rows padded to the decode bucket (padding: slot 0, block 0)."""
+        from trnrt.models.glm5_next.model import ForwardBatch
+
+        cfg, dev = self.runner.cfg, self.runner.device
+        B = cfg.decode_bucket(len(rows))
+        mb = cfg.table_blocks(cfg.context_bucket(max(r.start_pos + k + 1 for r in rows)))
+        input_ids = torch.zeros(B, tokens, dtype=torch.long)
+        tables = torch.zeros(B, mb, dtype=torch.long)
+        start_pos, num_new, slots = (torch.zeros(B, dtype=torch.long) for _ in range(3))
+        for i, r in enumerate(rows):
+            input_ids[i, : len(ids[i])] = torch.tensor(ids[i], dtype=torch.long)
+            blocks = r.block_ids[:mb]
+            tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+            start_pos[i], num_new[i], slots[i] = start[i], num[i], r.slot_id
+        return ForwardBatch(input_ids.to(dev), start_pos.to(dev), num_new.to(dev), tables.to(dev), slots.to(dev))
+
+    def propose(self, rows: Sequence[RowInput], k: int) -> torch.Tensor:
+        model, state = self.runner.model, self.runner.state
+        n = len(rows)
+        D = model.config.hidden_size
+        starts, ids, hids = [], [], []
+        for r in rows:
+            rid = r.request_id
+            if rid not in self._pending:
+                raise ValueError(f"{rid}: the MTP drafter has observed nothing for this request")
+            p_ids, p_hid = self._pending[rid]
+            m = self._computed[rid]
+            if m + len(p_ids) != r.start_pos or not p_ids or p_ids[-1] != r.token_ids[0]:
+                raise ValueError(f"{rid}: MTP at {m} + {len(p_ids)} pending, the row is at {r.start_pos} "
+                                 f"with last token {r.token_ids[0]}")
+            starts.append(m)
+            ids.append(p_ids)
+            hids.append(torch.cat(p_hid, 0))
+        with torch.inference_mode():
+            # 1. catch-up extend over the pending positions
+            S = max(len(x) for x in ids)
+            batch = self._batch(rows, ids, starts, [len(x) for x in ids], S, k)
+            prev = torch.zeros(batch.input_ids.shape[0], S, D, dtype=hids[0].dtype, device=self.runner.device)
+            for i, h in enumerate(hids):
+                prev[i, : h.shape[0]] = h
+            out = model.forward_mtp(batch, prev, state)  # logits [B, V], hidden [B, D] at each row's last
+            drafts = [out.logits.argmax(-1)]  # [B]
+            h = out.hidden
+            # 2. k - 1 decode steps, the MTP's own tail saved and put back (3.)
+            slots = batch.slot_ids[:n]
+            saved = state.mtp.tail.index_select(1, slots) if k > 1 else None
+            for j in range(1, k):
+                step = self._batch(rows, [[0]] * n, [r.start_pos + j - 1 for r in rows], [1] * n, 1, k)
+                step.input_ids[:, 0] = drafts[-1]
+                step.input_ids[n:] = 0
+                out = model.forward_mtp(step, h, state)
+                drafts.append(out.logits.argmax(-1))
+                h = out.hidden
+            if saved is not None:
+                state.mtp.tail.index_copy_(1, slots, saved)
+        for r in rows:
+            self._computed[r.request_id] = r.start_pos
+            self._pending[r.request_id] = ([], [])
+        return torch.stack(drafts, 1)[:n].cpu()  # [B, k]
