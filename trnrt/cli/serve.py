@@ -246,10 +246,29 @@ def start_engine(args: ServeArgs):
     from trnrt.engine.mp_client import MPEngineClient
     from trnrt.serve import hf_tokenizer_factory
 
+    import threading
+
+    log = logging.getLogger("trnrt.serve")
     model_dir = resolve_model_dir(args)  # here first: the embedded checkpoint is written once, before the child reads it
     tokenizer_factory = hf_tokenizer_factory(args.tokenizer_path or model_dir)
-    engine = MPEngineClient(engine_core_factory, (args,), log_level=logging.getLogger().getEffectiveLevel())
-    logging.getLogger("trnrt.serve").info("engine core running in process %d", engine.pid)
+
+    # While the engine process loads the model: import transformers and load the tokenizer here
+    # once, so that the first request does not pay for it (seconds; more than a client's timeout
+    # on a loaded machine). A failure is only logged: each HTTP thread loads its own tokenizer,
+    # and reports the same error on its first request, as with the engine in this process.
+    def warm_tokenizer():
+        try:
+            tokenizer_factory()
+        except Exception as e:
+            log.warning("could not load the tokenizer: %s", e)
+
+    warm = threading.Thread(target=warm_tokenizer, name="trnrt-tokenizer-warmup", daemon=True)
+    warm.start()
+    try:
+        engine = MPEngineClient(engine_core_factory, (args,), log_level=logging.getLogger().getEffectiveLevel())
+    finally:
+        warm.join()
+    log.info("engine core running in process %d", engine.pid)
     return engine, tokenizer_factory
 
 
