@@ -153,7 +153,7 @@ def test_required_and_named_give_exactly_one_valid_call(server):
     for (key, _), (calls, tool_finish, extra) in zip(jobs, results):
         route, seed, choice, stream, parallel = key
         seen.add((route, choice if isinstance(choice, str) else "named", stream))
-        assert tool_finish or parallel, key  # parallel calls may run into max_tokens (the last one dropped)
+        assert tool_finish or parallel, (key, calls, extra)  # parallel calls may run into max_tokens (the last one dropped)
         assert not extra, (key, extra)  # no text before, between or after the calls
         assert calls and (len(calls) == 1 or parallel), (key, calls)
         for name, args in calls:
