@@ -131,6 +131,9 @@ def run_engine_core(requests_conn, outputs_conn, factory, factory_args: tuple, l
     sender.send(("ready", _info(engine)))
     pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="trnrt-core-call")
 
+    def submit(reqs) -> None:  # the streams stay here (they forward to the outbox); the answer is "queued"
+        engine.submit_many(reqs)
+
     def reply(call_id, fn, *args, **kwargs):
         try:
             value = fn(*args, **kwargs)
@@ -148,7 +151,7 @@ def run_engine_core(requests_conn, outputs_conn, factory, factory_args: tuple, l
             kind = msg[0]
             if kind == "submit":
                 _, call_id, reqs = msg
-                reply(call_id, lambda: (engine.submit_many(reqs), None)[1])
+                reply(call_id, submit, reqs)
             elif kind == "abort":
                 engine.abort(msg[1])
             elif kind == "call":
