@@ -286,6 +286,36 @@ def test_runner_records_are_released_as_requests_finish(tok, eos, engines):
     assert_clean(engine)
 
 
+def test_a_finished_output_comes_after_the_live_stats_drop_its_request(tok, eos, engines):
+    """A client that reads a finish (length, stop string or abort) and then the stats sees the
+    request gone and its pages free: the finish is delivered after the live stats are published.
+    A slow `set_live` widens the window a finish delivered first would show."""
+    engine = engines()
+    inner = engine.stats_collector.set_live
+
+    def slow_set_live(**kw):
+        time.sleep(0.05)
+        inner(**kw)
+
+    engine.stats_collector.set_live = slow_set_live
+    stop_text = LONG_TEXT.split()[3]
+    cases = [dict(max_new_tokens=3), dict(max_new_tokens=40, stop=[stop_text])]
+    for params in cases:
+        (s,) = engine.submit_many([req(enc(tok, "finish then stats"), **params)])
+        _, _, outs = collect(s)
+        assert outs[-1].finish_reason.type in ("length", "stop"), outs[-1]
+        live = engine.stats()["live"]
+        assert live["running"] == 0 and live["pages_used"] == 0, (params, live)
+    held = engine.submit_many([req(enc(tok, "aborted then stats"), max_new_tokens=1000)])[0]
+    wait_for(lambda: engine.stats()["live"]["running"] == 1, "the request to run")
+    engine.abort(held.request_id)
+    _, _, outs = collect(held)
+    assert outs[-1].finish_reason.type == "abort"
+    assert engine.stats()["live"]["running"] == 0
+    del engine.stats_collector.set_live
+    assert_clean(engine)
+
+
 # -- duplicate request ids -------------------------------------------------------------------------
 
 

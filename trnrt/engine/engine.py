@@ -295,6 +295,8 @@ class Engine:
         # reuse the id at once.
         self._live_lock = threading.Lock()
         self._live_ids: set[str] = set()
+        # Finished outputs waiting for the live stats to drop their requests (engine thread only).
+        self._finished_out: list[tuple[OutputStream, RequestOutput]] = []
         self._pending_flush: FlushCacheMsg | None = None  # engine thread only
         # Structured outputs (engine_config.variants holds "structured_outputs"): the grammar
         # compiler (used on submitting threads) and each live request's matcher (engine thread).
@@ -810,6 +812,7 @@ class Engine:
                 self._flush_turn()
 
     def _flush_turn(self) -> None:
+        self._deliver_finished()
         if self.flush_outputs is not None:
             self.flush_outputs()
 
@@ -932,7 +935,15 @@ class Engine:
         with self._live_lock:
             self._live_ids.discard(rid)
         self._release_runner(rid)
-        stream.put(output)
+        # Delivered once the live stats no longer count it (`_update_live`): a client that reads
+        # the finish and then /v1/stats sees the request gone and its pages free.
+        self._finished_out.append((stream, output))
+
+    def _deliver_finished(self) -> None:
+        """Engine thread: put the finished outputs held by `_finish_stream` on their streams."""
+        while self._finished_out:
+            stream, output = self._finished_out.pop(0)
+            stream.put(output)
 
     def _release_runner(self, rid: str) -> None:
         self._grammars.pop(rid, None)
@@ -1228,6 +1239,7 @@ class Engine:
         )
         if publish_load:
             self._publish_load()
+        self._deliver_finished()
 
     def _publish_load(self) -> None:
         # One reference assignment: a reader on another thread sees the old or the new load, whole.
