@@ -5,7 +5,8 @@ one, for "required" with parallel_tool_calls), of the named function when one is
 arguments validate against the tool's schema (jsonschema), with finish reason tool_calls /
 stop_reason tool_use, through /v1/chat/completions, /v1/responses and /v1/messages, streamed and
 not. All requests go in flight together (one shared server, batched decode). The tools' strings
-are length-bounded, so a random model always finishes a call well within max_tokens. Errors: the
+and integers are bounded and JSON whitespace is capped, so a random model always finishes a call
+within max_tokens. Errors: the
 flag off, a name not among the tools, another constraint at once: 400s naming the field.
 """
 
@@ -33,7 +34,7 @@ SEARCH = {"name": "search", "parameters": {
         "filters": {"type": "object", "properties": {"lang": {"enum": ["en", "fr"]},
                                                      "safe": {"type": "boolean"}}, "required": ["lang"],
                     "additionalProperties": False},
-        "limit": {"type": "number", "minimum": 0, "maximum": 10},
+        "limit": {"type": "integer", "minimum": 0, "maximum": 10},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
     }, "required": ["q", "filters"]}}
 SCHEMAS = {t["name"]: t["parameters"] for t in (WEATHER, SEARCH)}
@@ -42,7 +43,9 @@ RESP_TOOLS = [{"type": "function", **t} for t in (WEATHER, SEARCH)]
 MSG_TOOLS = [{"name": t["name"], "description": t.get("description", ""), "input_schema": t["parameters"]}
              for t in (WEATHER, SEARCH)]
 SEEDS = range(20)
-MAX_TOKENS = 160
+# Above the longest call the grammar allows: bounded strings, bounded integers (a JSON "number"
+# has no digit bound: a random model once ran one past 160 tokens), 16 spaces at most per JSON gap.
+MAX_TOKENS = 400
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
