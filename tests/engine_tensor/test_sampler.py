@@ -36,6 +36,32 @@ def test_noise_is_uniform_and_keyed_by_seed_and_position():
     assert torch.equal(again[0], u[1])
 
 
+def test_noise_stays_inside_the_open_interval_at_its_extremes():
+    """The top 24-bit cell once rounded to u = 1.0 (Gumbel +inf; NaN on a masked token, which
+    argmax took: a grammar-masked token sampled in a CI run)."""
+    from trnrt.engine.sampler import unit_open
+
+    u = unit_open(torch.tensor([0, 1, (1 << 23), (1 << 24) - 2, (1 << 24) - 1]))
+    assert torch.all(u > 0) and torch.all(u < 1), u.tolist()
+    assert torch.all(torch.isfinite(-torch.log(-torch.log(u))))
+    assert torch.all(u[1:] >= u[:-1])
+
+
+def test_a_masked_token_is_never_sampled_even_at_extreme_noise(monkeypatch):
+    """Every token's noise at the top cell: the -inf (masked) tokens must still lose."""
+    import trnrt.engine.sampler as sampler
+
+    monkeypatch.setattr(sampler, "uniform_noise", lambda seeds, positions, vocab: sampler.unit_open(
+        torch.full((seeds.shape[0], vocab), (1 << 24) - 1, dtype=torch.int64)))
+    logits = torch.full((3, 64), float("-inf"))
+    allowed = [[5], [7, 40], [0, 63]]
+    for i, ids in enumerate(allowed):
+        logits[i, ids] = torch.tensor([0.3, -1.0][: len(ids)])
+    ids, *_ = sample(logits, _st(3, temperature=1.0), 0)
+    for i, tok in enumerate(ids.tolist()):
+        assert tok in allowed[i], (i, tok)
+
+
 def test_seeded_row_same_alone_and_batched():
     torch.manual_seed(1)
     logits = torch.randn(9, 1000)

@@ -33,8 +33,19 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     row = _hash32(_hash32(lo ^ _hash32(hi)) ^ (positions & _MASK32))  # [B]
     idx = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)  # [V]
     h = _hash32(row[:, None] ^ _hash32(idx[None, :] + 0x9E3779B1 & _MASK32))  # [B, V]
-    # 24 high bits -> exactly representable in fp32; +0.5 keeps u strictly inside (0, 1)
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return unit_open(h >> 8)
+
+
+# The largest fp32 below 1. (2**24 - 0.5) / 2**24 is not an fp32: it rounded to 1.0, whose
+# Gumbel noise -log(-log(1)) is +inf, and +inf + -inf (a masked token) is NaN, which argmax
+# picks: a grammar-masked token was sampled about once per 2**24 (token, step) pairs.
+_BELOW_ONE = 1.0 - 2.0 ** -24
+
+
+def unit_open(bits24: torch.Tensor) -> torch.Tensor:
+    """24-bit integers [0, 2**24) -> fp32 in the open interval (0, 1) (the cell centres
+    (b + 0.5) / 2**24, the top one clamped to the largest fp32 below 1)."""
+    return (((bits24.to(torch.float32) + 0.5) * (1.0 / (1 << 24)))).clamp_max(_BELOW_ONE)
 
 
 @dataclass
