@@ -51,6 +51,7 @@ from trnrt.engine.threads import apply_torch_threads, count_params, resolve_torc
 if TYPE_CHECKING:
     from trnrt.engine.cache_config import PrefixCacheConfig  # the model runner imports torch; the engine itself need not (scripted runs)
     from trnrt.engine.model_runner import ModelRunner
+    from trnrt.engine.spec.config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -279,6 +280,7 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config, self.cache, eos_token_ids=model_info.eos_token_ids,
                                    prefix_cache=self.prefix_cache, checkpoint_interval=interval)
         self.stats_collector = StatsCollector()
+        self.speculative_config = None  # set by from_model_dir(speculative=...)
         self.stats_collector.set_engine_info(
             model_info.model_path, preset=model_info.preset, backend=model_info.backend,
             compiled=model_info.compiled, served_model_name=model_info.served_model_name,
@@ -401,8 +403,15 @@ class Engine:
         structured_outputs: bool = False,
         penalties: bool = False,
         prompt_logprobs: bool = False,
+        speculative: "SpeculativeConfig | None" = None,
+        drafter_factory=None,
     ) -> "Engine":
         """Load the checkpoint (None: the embedded tiny model) and start the engine thread.
+
+        speculative (trnrt.engine.spec.config; `trnrt serve --speculative-algorithm NEXTN`): load
+        the MTP layer and run speculative decode steps (eager) for the requests that allow them
+        (`Engine.speculative_ok`); drafter_factory(runner) -> Drafter replaces the MTP drafter
+        (tests: the oracle drafter).
 
         structured_outputs: serve grammars (xgrammar; `trnrt serve --structured-outputs`): the
         engine config gets the "structured_outputs" variant flag, so compiled artifacts must
@@ -435,11 +444,19 @@ class Engine:
         ecfg = with_flag(with_structured_outputs(ecfg, structured_outputs), PENALTIES, penalties)
         ecfg = with_flag(ecfg, PROMPT_LOGPROBS, prompt_logprobs)
         dtype = getattr(torch, ecfg.dtype)
-        model = load_model(path, dtype=dtype, device=device)
+        model = load_model(path, dtype=dtype, device=device, load_mtp=speculative is not None)
         mcfg = model.config
-        state = ModelState.allocate(mcfg, ecfg.num_blocks, ecfg.block_size, ecfg.num_slots, dtype, device)
+        state = ModelState.allocate(mcfg, ecfg.num_blocks, ecfg.block_size, ecfg.num_slots, dtype, device,
+                                    mtp=speculative is not None)
         compiled = compiled_loader(model, state, ecfg) if compiled_loader is not None else None
-        runner = ModelRunner(model, state, ecfg, mcfg.vocab_size, compiled=compiled)
+        if speculative is None:
+            runner = ModelRunner(model, state, ecfg, mcfg.vocab_size, compiled=compiled)
+        else:
+            from trnrt.engine.spec.runner import SpecModelRunner
+
+            runner = SpecModelRunner(model, state, ecfg, mcfg.vocab_size, num_steps=speculative.num_steps,
+                                     drafter_factory=drafter_factory, compiled=compiled)
+            scfg = dataclasses.replace(scfg, num_speculative_tokens=speculative.num_steps)
         # the engine thread's torch intra-op threads (resolved here, on the caller's thread, so a
         # bad TRNRT_TORCH_THREADS fails before the engine starts; applied in _run)
         runner.torch_threads = resolve_torch_threads(compiled_backend if compiled else "eager", device, None,
@@ -464,6 +481,9 @@ class Engine:
         )
         engine = cls(runner, tokenizer, info, ecfg, scfg, start=start, stream_interval=stream_interval,
                      prefix_cache_config=prefix_cache_config)
+        engine.speculative_config = speculative
+        if speculative is not None:
+            engine.stats_collector.set_speculative(speculative.algorithm, speculative.num_steps)
         engine.startup_time_s = time.monotonic() - t0
         return engine
 
@@ -886,7 +906,7 @@ class Engine:
     def _add(self, request: GenerateRequest, stream: OutputStream) -> None:
         rid = request.request_id
         try:
-            seq = self.scheduler.add_request(request)
+            seq = self.scheduler.add_request(request, speculative=self.speculative_ok(request))
         except InvalidRequestError as e:
             self._finish_stream(rid, stream, RequestOutput(
                 rid, finished=True, finish_reason=FinishReason("abort", message=str(e)), error=str(e)))
@@ -925,6 +945,17 @@ class Engine:
             deferred=not request.stream and not any(sp.stop) and not sp.stop_regex,
             min_tokens=sp.min_new_tokens,
         )
+
+    def speculative_ok(self, request: GenerateRequest) -> bool:
+        """Whether a request's decode steps may be speculative: speculative decoding is on and
+        nothing the verify cannot serve is asked: per-token logits processing (a grammar,
+        penalties, a thinking budget), logprobs, prompt logprobs, or n > 1 prompt sharing. Those
+        requests run plain steps beside the speculative ones (as SGLang's dynamic fallback)."""
+        if not self.scheduler_config.num_speculative_tokens:
+            return False
+        sp = request.sampling_params
+        return (request.grammar_state is None and request.penalty_state is None and request.thinking_state is None
+                and sp.logprobs is None and sp.prompt_logprobs is None and request.prefix_group is None)
 
     def _finish_stream(self, rid: str, stream: OutputStream, output: RequestOutput) -> None:
         """Put a request's finished output on its stream; every finish goes through here.
@@ -1091,6 +1122,8 @@ class Engine:
                 num_logprobs=sp.logprobs, request_id=s.request_id, do_sample=s.do_sample,
                 token_bitmask=self._grammar_mask(s.request_id) if s.do_sample and self._grammars else None,
                 penalties=self._penalties.get(s.request_id) if s.do_sample and self._penalties else None,
+                speculative=s.speculative, spec_decode=s.speculative and not s.is_prefill,
+                num_lookahead=s.num_lookahead, next_token_id=s.next_token_id,
             ))
             if self._prompt_lps and s.is_prefill:
                 col = self._prompt_lps.get(s.request_id)
@@ -1124,7 +1157,15 @@ class Engine:
         logprobs = [r.logprob if s.do_sample else None for s, r in zip(sched_out.scheduled, results)]
         if self._thinking:
             self._force_think_ends(sched_out.scheduled, sampled, logprobs)
-        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, failed=failed)
+        extra = None
+        if self.scheduler_config.num_speculative_tokens:
+            extra = [list(getattr(r, "extra_token_ids", ())) if s.do_sample else []
+                     for s, r in zip(sched_out.scheduled, results)]
+            spec = getattr(self.runner, "last_spec", None)
+            if spec is not None and spec.num_verifies:
+                self.stats_collector.on_spec_step(spec.num_verifies, spec.num_draft_tokens, spec.num_accepted_tokens,
+                                                  spec.accepted_per_position)
+        return RunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, failed=failed, extra_token_ids=extra)
 
     def _force_think_ends(self, scheduled, sampled: list, logprobs: list) -> None:
         """Thinking budgets: a row whose request spent its budget while reasoning gets `</think>`

@@ -92,6 +92,14 @@ class RowInput:
     # graph (even a one-token chunk) and its RowResult carries `prompt_logprobs`.
     prompt_next_ids: list[int] | None = None
     num_prompt_logprobs: int = 0
+    # Speculative decoding (trnrt.engine.spec): `speculative` marks a request the drafter follows
+    # (every chunk and step of it must feed the drafter); `spec_decode` a decode step of one, which
+    # verifies `num_lookahead` drafts (0: a plain step through the verify path). `next_token_id`:
+    # the known token after this chunk (a partial prompt chunk's next prompt token), else None.
+    speculative: bool = False
+    spec_decode: bool = False
+    num_lookahead: int = 0
+    next_token_id: int | None = None
 
 
 @dataclass
@@ -109,6 +117,11 @@ class RowResult:
     # RowInput.prompt_next_ids set: per fed position i, the logprob of prompt_next_ids[i] and the
     # top-N (num_prompt_logprobs) alternatives at i.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # A speculative decode row: the tokens emitted after `token_id` (accepted drafts then the
+    # correction or bonus token: `token_id` is the first emitted), drafts verified and accepted.
+    extra_token_ids: list[int] = field(default_factory=list)
+    num_drafts: int = 0
+    num_accepted: int = 0
 
 
 # -- Scheduler <-> ModelRunner --------------------------------------------------------------
@@ -140,6 +153,12 @@ class ScheduledSequence:
     do_sample: bool
     sampling_params: SamplingParams
     num_output_tokens: int = 0  # tokens generated before this step (e.g. for min_tokens)
+    # Speculative decoding: the request is followed by the drafter; a decode step of it may verify
+    # `num_lookahead` drafts (the block table covers num_computed + 1 + num_lookahead tokens, and
+    # the step's token budget counts them). `next_token_id`: the token after this chunk when known.
+    speculative: bool = False
+    num_lookahead: int = 0
+    next_token_id: int | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -228,3 +247,5 @@ class RunnerOutput:
     sampled_token_ids: list[int | None] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] | None = None
     failed: dict[str, str] = field(default_factory=dict)
+    # Speculative decode rows: the tokens emitted after sampled_token_ids[i] (None: none anywhere)
+    extra_token_ids: list[list[int]] | None = None

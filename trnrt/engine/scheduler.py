@@ -34,6 +34,11 @@ from trnrt.engine.sequence import Sequence, SequenceStatus
 from trnrt.engine.stop import StopChecker
 
 
+def _cost(entry: ScheduledSequence) -> int:
+    """Tokens an entry takes from the step's budget: fed tokens and verified drafts."""
+    return entry.num_new_tokens + entry.num_lookahead
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Host-only scheduling settings (no graph depends on them; not part of EngineConfig).
@@ -59,6 +64,9 @@ class SchedulerConfig:
         "The request queue is full." (or, with priority scheduling, the worst waiting one is
         displaced by a better arrival).
     random_seed: seed of the `random` policy's shuffles (tests).
+    num_speculative_tokens: drafts a speculative request's decode step verifies (k; 0: off). Its
+        block table covers the k look-ahead positions and the step's token budget counts them;
+        fewer near max_new_tokens / max_model_len or when the budget is short.
     """
 
     max_num_seqs: int = 8
@@ -76,6 +84,7 @@ class SchedulerConfig:
     abort_on_priority_when_disabled: bool = False
     max_queued_requests: int | None = None
     random_seed: int | None = None
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -223,8 +232,12 @@ class Scheduler:
         request.sampling_params.validate()
         check_context_length(len(ids), request.sampling_params.max_new_tokens, self.config.max_model_len)
 
-    def add_request(self, request: GenerateRequest) -> Sequence:
+    def add_request(self, request: GenerateRequest, *, speculative: bool = False) -> Sequence:
         """Queue a request (FCFS). Returns its Sequence.
+
+        speculative: the drafter follows it (with num_speculative_tokens > 0): its decode steps
+        verify drafts, and it neither resumes from nor snapshots into the prefix cache while
+        decoding (the drafter must see every position, and a verify's end is not known ahead).
 
         A request with max_new_tokens == 0 is returned already FINISHED ("length") and never
         queued; the caller emits its final output directly.
@@ -244,6 +257,7 @@ class Scheduler:
         )
         seq.priority = request.priority
         seq.cache_namespace = request.cache_salt
+        seq.speculative = bool(speculative and self.config.num_speculative_tokens > 0)
         refusal = policy.priority_refusal(request.priority, self.config)
         # max_new_tokens 0 ends at once, unless the prompt's logprobs are wanted (scoring a prompt):
         # then the prompt runs and the request ends where its first token would be sampled
@@ -269,7 +283,7 @@ class Scheduler:
         self.requests[seq.request_id] = seq
         group = request.prefix_group
         if (group is not None and self.prefix_cache is not None and seq.num_prompt_tokens > 1
-                and request.sampling_params.prompt_logprobs is None):
+                and request.sampling_params.prompt_logprobs is None and not seq.speculative):
             g = self._groups.get(group)
             if g is None:
                 self._groups[group] = _ForkGroup(name=group, leader=seq, fork_pos=seq.num_prompt_tokens - 1)
@@ -473,18 +487,19 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = self._num_new_tokens(seq, budget)
-            while not self._can_allocate_for(seq, seq.num_computed_tokens + num_new):
+            ahead = self._num_lookahead(seq, budget - num_new)
+            while not self._can_allocate_for(seq, seq.num_computed_tokens + num_new + ahead):
                 victim = max(self.running, key=lambda s: s.arrival_index)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim.request_id in entries:  # already scheduled this step: take it back
-                    budget += entries.pop(victim.request_id).num_new_tokens
+                    budget += _cost(entries.pop(victim.request_id))
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            entries[seq.request_id] = self._schedule_seq(seq, num_new, out)
-            budget -= num_new
+            entries[seq.request_id] = self._schedule_seq(seq, num_new, out, lookahead=ahead)
+            budget -= num_new + ahead
 
         # NOTE: no admissions in a step that preempted: the pages just freed belong to the
         # running sequences that needed them (admitting would preempt again next step).
@@ -499,7 +514,7 @@ class Scheduler:
                 if len(self.running) >= cfg.max_num_seqs:
                     if not self._preempt_for(seq, 0, entries, preempted):
                         break
-                    budget = cfg.max_num_batched_tokens - sum(e.num_new_tokens for e in entries.values())
+                    budget = cfg.max_num_batched_tokens - sum(_cost(e) for e in entries.values())
                     continue
                 g = self._group_of(seq) if self._groups else None
                 if g is not None and g.ready and seq is not g.leader and not seq.num_computed_tokens \
@@ -535,7 +550,7 @@ class Scheduler:
                     need = self.cache.num_blocks_for(seq.num_computed_tokens + num_new) + extra
                     self._unmatch(seq, match)
                     if self._preempt_for(seq, need * self.cache.block_size, entries, preempted):
-                        budget = cfg.max_num_batched_tokens - sum(e.num_new_tokens for e in entries.values())
+                        budget = cfg.max_num_batched_tokens - sum(_cost(e) for e in entries.values())
                         continue
                     break
                 self.waiting.popleft()
@@ -589,6 +604,20 @@ class Scheduler:
         self.waiting.appendleft(incoming)
         return True
 
+    def _num_lookahead(self, seq: Sequence, budget: int) -> int:
+        """Drafts a decode step of `seq` may verify: k, cut so that the verify's positions stay
+        inside max_model_len, the emitted tokens (up to drafts + 1) inside max_new_tokens and
+        max_model_len, and the drafts inside the step's remaining token budget. 0 for a prefill
+        chunk or a request the drafter does not follow."""
+        k = self.config.num_speculative_tokens
+        if not k or not seq.speculative or seq.is_prefill:
+            return 0
+        sp = seq.sampling_params
+        left = self.config.max_model_len - seq.num_tokens - 1  # emitted tokens past the next one
+        if sp.max_new_tokens is not None:
+            left = min(left, sp.max_new_tokens - seq.num_output_tokens - 1)
+        return max(0, min(k, left, budget))
+
     def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
         n = min(seq.num_uncomputed_tokens, budget)
         if seq.is_prefill:
@@ -628,7 +657,7 @@ class Scheduler:
         """The usable cached prefix of a waiting sequence (locked, so that evictions made for its
         own pages cannot take it), or None. Sets num_computed_tokens to the resume position so
         that the chunk size is computed from there; `_unmatch` undoes both."""
-        if self.prefix_cache is None or seq.num_computed_tokens or seq.num_tokens < 2:
+        if self.prefix_cache is None or seq.num_computed_tokens or seq.num_tokens < 2 or seq.speculative:
             return None
         if seq.sampling_params.prompt_logprobs is not None:
             return None  # every prompt position must be computed for its logprob
@@ -709,10 +738,11 @@ class Scheduler:
             assert not self.requests, "flush_prefix_cache with live requests"
             self.prefix_cache.reset()
 
-    def _schedule_seq(self, seq: Sequence, num_new: int, out: SchedulerOutput | None = None) -> ScheduledSequence:
+    def _schedule_seq(self, seq: Sequence, num_new: int, out: SchedulerOutput | None = None,
+                      lookahead: int = 0) -> ScheduledSequence:
         start = seq.num_computed_tokens
         had_slot = seq.slot_id is not None
-        self.cache.allocate_blocks_for(seq, start + num_new)
+        self.cache.allocate_blocks_for(seq, start + num_new + lookahead)
         assert seq.slot_id is not None
         fork_source = getattr(seq, "fork_source", None)
         if fork_source is not None:  # forked from its leader's prompt (n > 1)
@@ -725,8 +755,10 @@ class Scheduler:
                 self.prefix_cache._ops.append(CacheOp("load_slot", (node.checkpoint,), (seq.slot_id,)))
             else:
                 self.prefix_cache._ops.append(CacheOp("load_slot_host", (node.host_checkpoint,), (seq.slot_id,)))
+        spec_decode = seq.speculative and not seq.is_prefill
         if out is not None:
-            self._plan_snapshot(seq, start + num_new, out)
+            if not spec_decode:  # a verify's end is known only after it ran
+                self._plan_snapshot(seq, start + num_new, out)
             if self._groups:
                 self._plan_fork_snapshot(seq, start + num_new, out)
         return ScheduledSequence(
@@ -739,6 +771,10 @@ class Scheduler:
             do_sample=start + num_new == seq.num_tokens,
             sampling_params=seq.sampling_params,
             num_output_tokens=seq.num_output_tokens,
+            speculative=seq.speculative,
+            num_lookahead=lookahead,
+            next_token_id=seq.token_slice(start + num_new, start + num_new + 1)[0] if start + num_new < seq.num_tokens
+            else None,
         )
 
     def _leave_group(self, seq: Sequence) -> None:
@@ -810,9 +846,10 @@ class Scheduler:
                 f"{len(sched_out.scheduled)} scheduled sequences"
             )
         logprobs = runner_out.logprobs or [None] * len(sched_out.scheduled)
+        extras = runner_out.extra_token_ids or [()] * len(sched_out.scheduled)
         now = self.clock()
         updates: list[SequenceUpdate] = []
-        for entry, token, lp in zip(sched_out.scheduled, runner_out.sampled_token_ids, logprobs):
+        for entry, token, lp, extra in zip(sched_out.scheduled, runner_out.sampled_token_ids, logprobs, extras):
             seq = self.requests.get(entry.request_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted/finished in between: its pages are already free
@@ -842,9 +879,19 @@ class Scheduler:
             if seq.first_token_time_s is None:
                 seq.first_token_time_s = now
             reason = self.stop_checker.check_token(seq)
+            new_ids, new_lps = [int(token)], [lp]
+            # A verify's accepted drafts and its correction: each emitted token's position was fed
+            # (computed) before the next one is appended, as plain decoding leaves them; a stop
+            # drops the rest.
+            for t in extra if len(extra) <= entry.num_lookahead else ():
+                if reason is not None:
+                    break
+                seq.num_computed_tokens += 1
+                seq.append_token(int(t), None)
+                new_ids.append(int(t))
+                new_lps.append(None)
+                reason = self.stop_checker.check_token(seq)
             if reason is not None:
                 self._finish(seq, reason)
-            updates.append(
-                SequenceUpdate(seq, new_token_ids=[int(token)], new_logprobs=[lp], finish_reason=reason)
-            )
+            updates.append(SequenceUpdate(seq, new_token_ids=new_ids, new_logprobs=new_lps, finish_reason=reason))
         return updates

@@ -69,6 +69,8 @@ class Sequence:
     cache_namespace: str | None = None  # GenerateRequest.cache_salt: the prefix cache's namespace
     fork_group: str | None = None
     fork_source: int | None = None
+    # Speculative decoding: the drafter follows this request (Scheduler.add_request(speculative=))
+    speculative: bool = False
 
     # -- sizes -------------------------------------------------------------------------------
 

@@ -82,47 +82,68 @@ class SpecDecoder:
 
     # -- the speculative step -----------------------------------------------------------------
 
-    def step(self, rows: Sequence[RowInput]) -> list[SpecOutput]:
-        """One speculative decode step for decode rows (see the module doc). Returns one
-        SpecOutput per row, in order."""
+    def step(self, rows: Sequence[RowInput], ks: Sequence[int] | None = None) -> list[SpecOutput]:
+        """One speculative decode step for decode rows (see the module doc). `ks`: drafts per
+        row (each 0 .. k; default k for every row; a row with 0 is a plain decode step through
+        the verify, which still feeds the drafter). Returns one SpecOutput per row, in order."""
         bs, max_len = self.runner.cfg.block_size, self.runner.cfg.max_model_len
-        for r in rows:
+        ks = [self.k] * len(rows) if ks is None else [int(x) for x in ks]
+        if len(ks) != len(rows) or any(not 0 <= x <= self.k for x in ks):
+            raise ValueError(f"drafts per row must be 0..{self.k}, one per row: {ks}")
+        for r, k in zip(rows, ks):
             if len(r.token_ids) != 1:
                 raise ValueError(f"{r.request_id}: a speculative decode row feeds its one last token")
-            if r.start_pos + self.k + 1 > max_len:  # past the table a position would alias its last page
-                raise ValueError(f"{r.request_id}: a verify at {r.start_pos} with k={self.k} passes "
+            if r.start_pos + k + 1 > max_len:  # past the table a position would alias its last page
+                raise ValueError(f"{r.request_id}: a verify at {r.start_pos} with k={k} passes "
                                  f"max_model_len {max_len}")
-            if len(r.block_ids) < cdiv(r.start_pos + self.k + 1, bs):
+            if len(r.block_ids) < cdiv(r.start_pos + k + 1, bs):
                 raise ValueError(f"{r.request_id}: block table holds {len(r.block_ids)} pages, a verify at "
-                                 f"{r.start_pos} with k={self.k} needs {cdiv(r.start_pos + self.k + 1, bs)}")
+                                 f"{r.start_pos} with k={k} needs {cdiv(r.start_pos + k + 1, bs)}")
         out: list[SpecOutput] = []
         maxb = self.runner.cfg.max_decode_batch
         for g in range(0, len(rows), maxb):
-            out.extend(self._step_group(list(rows[g: g + maxb])))
+            out.extend(self._step_group(list(rows[g: g + maxb]), ks[g: g + maxb]))
         return out
 
-    def _step_group(self, rows: list[RowInput]) -> list[SpecOutput]:
-        runner, k = self.runner, self.k
+    def _step_group(self, rows: list[RowInput], ks: list[int]) -> list[SpecOutput]:
+        runner = self.runner
         n_rows = len(rows)
-        drafts = self.drafter.propose(rows, k).tolist()  # [B][k]
+        K = max(ks)  # the verify's width: K + 1 tokens per row (fewer fed in rows with fewer drafts)
+        drafting = [i for i in range(n_rows) if ks[i] > 0]
+        drafts: list[list[int]] = [[] for _ in rows]
+        q_rows: dict[int, torch.Tensor] = {}
+        # one proposal per distinct k, so that no draft position passes its row's look-ahead
+        for k in sorted({ks[i] for i in drafting}):
+            idx = [i for i in drafting if ks[i] == k]
+            proposed = self.drafter.propose([rows[i] for i in idx], k).tolist()  # [b][k]
+            q = self.drafter.draft_probs
+            for j, (i, d) in enumerate(zip(idx, proposed)):
+                drafts[i] = d
+                if q is not None:
+                    q_rows[i] = q[j]
         vrows = [replace(r, token_ids=[r.token_ids[0], *d]) for r, d in zip(rows, drafts)]
         batch = runner.cfg.decode_bucket(n_rows)
-        context = runner.cfg.context_bucket(max(r.start_pos + k + 1 for r in rows))
+        context = runner.cfg.context_bucket(max(r.start_pos + k + 1 for r, k in zip(rows, ks)))
         greedy = all(r.temperature <= 0.0 for r in rows)
         fn = self.verify_fns[greedy]
-        ckpt = self.snapshots.save([r.slot_id for r in rows])
+        ckpt = self.snapshots.save([r.slot_id for r in rows]) if K else []
         try:
             with torch.inference_mode():
-                inputs = runner._pack(vrows, batch, k + 1, context)
-                probs = self.drafter.draft_probs
+                inputs = runner._pack(vrows, batch, K + 1, context)
+                probs = None
+                if q_rows:  # the drafters' q [n_rows, K, V] (zero rows past a row's drafts)
+                    any_q = next(iter(q_rows.values()))
+                    probs = any_q.new_zeros((batch, K) + tuple(any_q.shape[1:]))
+                    for i, q in q_rows.items():
+                        probs[i, : q.shape[0]] = q
                 token_ids, num_acc, hidden = fn(*inputs, draft_probs=probs)
                 token_ids, num_acc = token_ids[:n_rows].tolist(), num_acc[:n_rows].tolist()
                 hidden = hidden[:n_rows]
-                partial = [i for i in range(n_rows) if num_acc[i] < k]
+                partial = [i for i in range(n_rows) if num_acc[i] < ks[i]]
                 if partial:
                     self.snapshots.restore([ckpt[i] for i in partial], [rows[i].slot_id for i in partial])
                     again = [rerun_row(rows[i], drafts[i], num_acc[i]) for i in partial]
-                    fn.extend(*runner._pack(again, runner.cfg.decode_bucket(len(again)), k + 1, context))
+                    fn.extend(*runner._pack(again, runner.cfg.decode_bucket(len(again)), K + 1, context))
                     self.num_rollbacks += len(partial)
         finally:
             self.snapshots.release(ckpt)

@@ -70,7 +70,7 @@ def _emit(draft_ids: torch.Tensor, correction: torch.Tensor, num_accepted: torch
     B, K1 = correction.shape
     jj = torch.arange(K1, device=correction.device)[None, :]  # [1, K+1]
     n = num_accepted[:, None]  # [B, 1]
-    drafts = torch.cat([draft_ids, torch.zeros_like(draft_ids[:, :1])], 1)  # [B, K+1]
+    drafts = torch.cat([draft_ids, draft_ids.new_zeros((B, 1))], 1)  # [B, K+1] (K may be 0)
     last = correction.gather(1, n)  # [B, 1]
     return torch.where(jj < n, drafts, torch.where(jj == n, last, torch.full_like(drafts, -1)))
 

@@ -1,0 +1,203 @@
+"""Speculative decoding through the engine (eager): greedy output equals plain decoding token for
+token, with the test-only oracle drafter forcing full, partial and zero acceptance at known
+positions, batched, queued, preempted and with aborts mid-speculation; the MTP drafter of the
+tiny checkpoint; requests the verify cannot serve run plain beside speculative ones; nothing leaks.
+
+The plain reference is `small_engine` (its greedy output is held to transformers by
+test_e2e_parity); the speculative engine has the same cache and scheduler sizes, so it queues and
+preempts too (its look-ahead pages make it preempt more).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from e2e_helpers import collect, greedy
+from trnrt.engine.request import GenerateRequest, SamplingParams
+
+K = 3
+N_OUT = 24
+V = 4096
+
+
+def _configs():
+    from trnrt.config import EngineConfig
+    from trnrt.engine.scheduler import SchedulerConfig
+
+    ecfg = EngineConfig(max_model_len=256, block_size=16, num_blocks=256 // 16 + 1 + 4, num_slots=5,
+                        decode_batch_buckets=(1, 2, 4), prefill_token_buckets=(16, 64))
+    scfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, max_prefill_chunk_tokens=64)
+    return ecfg, scfg
+
+
+@pytest.fixture(scope="module")
+def reference(small_engine, random_prompts):
+    """rid -> prompt + greedy output (N_OUT tokens) of plain decoding."""
+    return {f"r{i}": list(p) + greedy(small_engine, p, N_OUT) for i, p in enumerate(random_prompts)}
+
+
+@pytest.fixture(scope="module")
+def oracle_engine(model_dir):
+    from trnrt.engine.engine import Engine
+    from trnrt.engine.spec.config import SpeculativeConfig
+    from trnrt.engine.spec.oracle import OracleDrafter
+
+    oracle = OracleDrafter({}, V)
+    ecfg, scfg = _configs()
+    engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg,
+                                   speculative=SpeculativeConfig(num_steps=K), drafter_factory=lambda runner: oracle)
+    engine.oracle = oracle
+    yield engine
+    engine.shutdown()
+
+
+def _record_verifies(engine):
+    """Wrap the runner's SpecDecoder.step: a list of (request id, start_pos, drafts, accepted)."""
+    dec = engine.runner.decoder
+    inner = dec.step
+    log = []
+
+    def step(rows, ks=None):
+        outs = inner(rows, ks)
+        log.extend((r.request_id, r.start_pos, len(o.drafts), o.num_accepted) for r, o in zip(rows, outs))
+        return outs
+
+    dec.step = step
+    return log
+
+
+def _assert_clean(engine):
+    from e2e_helpers import assert_clean
+
+    assert_clean(engine)
+    pool = engine.runner.decoder.snapshots.pool
+    assert pool.num_free == engine.runner._reserve, "a rollback checkpoint leaked"
+
+
+def _submit(engine, rid, ids, **params):
+    params.setdefault("ignore_eos", True)
+    params.setdefault("temperature", 0.0)
+    return engine.submit(GenerateRequest(prompt_token_ids=list(ids), sampling_params=SamplingParams(**params),
+                                         request_id=rid))
+
+
+def test_greedy_equals_plain_with_full_partial_and_zero_acceptance(oracle_engine, reference, random_prompts):
+    engine, oracle = oracle_engine, oracle_engine.oracle
+    oracle.sequences = dict(reference)
+    corrupt = {}
+    for i, p in enumerate(random_prompts):
+        rid, L = f"r{i}", len(p)
+        if i % 4 == 1:  # zero acceptance: every draft wrong
+            corrupt[rid] = set(range(L, L + N_OUT + K + 2))
+        elif i % 4 == 2:  # partial: every third position wrong
+            corrupt[rid] = set(range(L + 1, L + N_OUT + K + 2, 3))
+        elif i % 4 == 3:  # a few wrong drafts
+            corrupt[rid] = {L + 2, L + 9, L + 10}
+    oracle.corrupt = corrupt
+    log = _record_verifies(engine)
+    before = engine.scheduler.num_preemptions_total
+    try:
+        streams = [_submit(engine, f"r{i}", p, max_new_tokens=N_OUT) for i, p in enumerate(random_prompts)]
+        outs = {s.request_id: collect(s, timeout=300) for s in streams}
+    finally:
+        del engine.runner.decoder.step
+    for i, p in enumerate(random_prompts):
+        rid = f"r{i}"
+        assert outs[rid].error is None, outs[rid]
+        assert outs[rid].output_ids == reference[rid][len(p):], rid
+    # every verify accepted exactly what the oracle's corruption allows
+    assert log
+    for rid, L, k, n in log:
+        assert n == oracle.expected_accepted(rid, L, k), (rid, L, k, n)
+    acc = {}
+    for rid, _, k, n in log:
+        a = acc.setdefault(rid, [0, 0])
+        a[0] += k
+        a[1] += n
+    full = [f"r{i}" for i in range(0, 16, 4) if len(random_prompts[i]) + N_OUT < 256]
+    assert all(acc[r][1] == acc[r][0] > 0 for r in full if r in acc), acc  # nothing corrupted: all accepted
+    assert all(acc[f"r{i}"][1] == 0 for i in range(1, 16, 4)), acc
+    assert any(0 < acc[f"r{i}"][1] < acc[f"r{i}"][0] for i in range(2, 16, 4)), acc
+    # fewer steps than tokens: the full-acceptance requests emitted up to K + 1 tokens per step
+    assert max(n for _, _, _, n in log) == K
+    assert engine.scheduler.num_preemptions_total > before, "no preemption happened: shrink the cache"
+    _assert_clean(engine)
+
+
+def test_aborts_mid_speculation_free_everything(oracle_engine, reference, random_prompts):
+    engine, oracle = oracle_engine, oracle_engine.oracle
+    oracle.sequences = dict(reference)
+    oracle.corrupt = {}
+    oracle.check = False  # past the recorded run the drafts are token 0 (rejected): still correct
+    log = _record_verifies(engine)
+    try:
+        streams = [_submit(engine, f"r{i}", random_prompts[i], max_new_tokens=60)
+                   for i in (2, 4, 5, 7)]
+        deadline = time.monotonic() + 60
+        while len(log) < 6:
+            assert time.monotonic() < deadline, "no speculative step ran"
+            time.sleep(0.01)
+        for s in streams[:2]:
+            engine.abort(s.request_id)
+        outs = [collect(s, timeout=300) for s in streams]
+    finally:
+        del engine.runner.decoder.step
+        oracle.check = True
+    for o in outs[:2]:
+        assert o.finish_reason.type == "abort", o
+    for o, i in zip(outs[2:], (5, 7)):
+        assert o.error is None and o.output_ids[:N_OUT] == reference[f"r{i}"][len(random_prompts[i]):], o
+    assert engine.runner.drafter.proposals  # the oracle drafted
+    _assert_clean(engine)
+
+
+def test_requests_the_verify_cannot_serve_run_plain_beside_it(oracle_engine, reference, random_prompts):
+    engine, oracle = oracle_engine, oracle_engine.oracle
+    oracle.sequences = dict(reference)
+    oracle.corrupt = {}
+    seen = []
+    inner = engine.runner.execute
+
+    def execute(rows):
+        seen.extend((r.request_id, r.speculative) for r in rows)
+        return inner(rows)
+
+    engine.runner.execute = execute
+    try:
+        a = _submit(engine, "r3", random_prompts[3], max_new_tokens=N_OUT)
+        b = _submit(engine, "r5", random_prompts[5], max_new_tokens=N_OUT, logprobs=2)
+        ca, cb = collect(a, timeout=300), collect(b, timeout=300)
+    finally:
+        del engine.runner.execute
+    assert ca.output_ids == reference["r3"][len(random_prompts[3]):]
+    assert cb.output_ids == reference["r5"][len(random_prompts[5]):]
+    assert {s for r, s in seen if r == "r3"} == {True} and {s for r, s in seen if r == "r5"} == {False}
+    _assert_clean(engine)
+
+
+def test_mtp_drafter_through_the_engine(model_dir, reference, random_prompts):
+    """The tiny checkpoint's own MTP layer drafts (a random layer: few drafts accepted); the greedy
+    output is still plain decoding's, seeded sampling is reproducible, and the drafter forgets
+    every finished request."""
+    from trnrt.engine.engine import Engine
+    from trnrt.engine.spec.config import SpeculativeConfig
+
+    ecfg, scfg = _configs()
+    engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg,
+                                   speculative=SpeculativeConfig(num_steps=2))
+    try:
+        idx = [0, 3, 8, 12]
+        streams = [_submit(engine, f"r{i}", random_prompts[i], max_new_tokens=N_OUT) for i in idx]
+        for s, i in zip(streams, idx):
+            assert collect(s, timeout=300).output_ids == reference[f"r{i}"][len(random_prompts[i]):], i
+        sampled = [collect(_submit(engine, f"s{j}", random_prompts[3], max_new_tokens=12, temperature=1.0,
+                                   seed=7)).output_ids for j in range(2)]
+        assert sampled[0] == sampled[1] and len(sampled[0]) == 12
+        st = engine.stats()["speculative"]
+        assert st["enabled"] and st["num_verifies"] > 0 and st["num_draft_tokens"] > 0, st
+        _assert_clean(engine)
+        assert engine.runner.drafter._computed == {} and engine.runner.drafter._pending == {}
+    finally:
+        engine.shutdown()

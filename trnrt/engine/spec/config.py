@@ -1,0 +1,94 @@
+"""SpeculativeConfig: which drafter, how many drafts; SGLang's and vLLM's spellings. Pure Python.
+
+SGLang: `--speculative-algorithm NEXTN|EAGLE` (for a model with an MTP / nextn layer both mean
+"draft with that layer"; SGLang turns NEXTN into EAGLE), `--speculative-num-steps k`,
+`--speculative-eagle-topk 1`, `--speculative-num-draft-tokens k+1` (with top-k 1, the steps and
+the bonus token). vLLM: `--speculative-config '{"method": "mtp", "num_speculative_tokens": k}'`.
+trnrt drafts a chain (top-k 1) with the model's own MTP layer; other algorithms (EAGLE3,
+STANDALONE, NGRAM, a separate draft model) and tree drafting (top-k > 1) are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+#: Accepted algorithm names (upper-cased) -> what trnrt runs.
+ALGORITHMS = {"NEXTN": "NEXTN", "EAGLE": "NEXTN", "MTP": "NEXTN"}
+DEFAULT_NUM_STEPS = 3  # SGLang's GLM/DeepSeek MTP recipes use 3 steps, top-k 1, 4 draft tokens
+MAX_NUM_STEPS = 8
+
+
+class SpeculativeConfigError(ValueError):
+    """A speculative setting trnrt cannot serve; `field` names the option."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """algorithm: "NEXTN" (the model's MTP layer drafts); num_steps: drafts per verify (k)."""
+
+    algorithm: str = "NEXTN"
+    num_steps: int = DEFAULT_NUM_STEPS
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """SGLang's --speculative-num-draft-tokens for a chain: the drafts and the bonus token."""
+        return self.num_steps + 1
+
+
+def resolve_speculative(algorithm: str | None = None, num_steps: int | None = None, eagle_topk: int | None = None,
+                        num_draft_tokens: int | None = None, vllm_config: str | dict | None = None
+                        ) -> SpeculativeConfig | None:
+    """The SpeculativeConfig of SGLang's flags and/or vLLM's --speculative-config (None: off).
+
+    Raises SpeculativeConfigError naming the option for what trnrt does not serve."""
+    if vllm_config is not None:
+        cfg = vllm_config
+        if isinstance(cfg, str):
+            try:
+                cfg = json.loads(cfg)
+            except ValueError as e:
+                raise SpeculativeConfigError(f"--speculative-config is not JSON: {e}", "--speculative-config")
+        if not isinstance(cfg, dict):
+            raise SpeculativeConfigError("--speculative-config must be a JSON object", "--speculative-config")
+        method = cfg.get("method")
+        if method is None or str(method).lower() not in ("mtp", "nextn", "deepseek_mtp", "glm4_moe_mtp"):
+            raise SpeculativeConfigError(f"--speculative-config method {method!r}: trnrt drafts with the model's "
+                                         "MTP layer only (method \"mtp\")", "--speculative-config")
+        unknown = sorted(set(cfg) - {"method", "num_speculative_tokens", "model"})
+        if unknown:
+            raise SpeculativeConfigError(f"--speculative-config: unsupported keys {unknown}", "--speculative-config")
+        if algorithm is None:
+            algorithm = "NEXTN"
+        if num_steps is None and cfg.get("num_speculative_tokens") is not None:
+            num_steps = cfg["num_speculative_tokens"]
+    if algorithm is None:
+        for name, v in (("--speculative-num-steps", num_steps), ("--speculative-eagle-topk", eagle_topk),
+                        ("--speculative-num-draft-tokens", num_draft_tokens)):
+            if v is not None:
+                raise SpeculativeConfigError(f"{name} needs --speculative-algorithm", name)
+        return None
+    algo = ALGORITHMS.get(str(algorithm).upper())
+    if algo is None:
+        raise SpeculativeConfigError(
+            f"--speculative-algorithm {algorithm!r}: trnrt serves NEXTN (alias EAGLE, MTP): drafts from the "
+            "model's own MTP layer", "--speculative-algorithm")
+    if eagle_topk is not None and eagle_topk != 1:
+        raise SpeculativeConfigError("--speculative-eagle-topk: only 1 (chain drafting) is served",
+                                     "--speculative-eagle-topk")
+    if num_steps is None and num_draft_tokens is not None:
+        num_steps = num_draft_tokens - 1
+    if num_steps is None:
+        num_steps = DEFAULT_NUM_STEPS
+    if not isinstance(num_steps, int) or isinstance(num_steps, bool) or not 1 <= num_steps <= MAX_NUM_STEPS:
+        raise SpeculativeConfigError(f"--speculative-num-steps must be 1..{MAX_NUM_STEPS}, got {num_steps!r}",
+                                     "--speculative-num-steps")
+    if num_draft_tokens is not None and num_draft_tokens != num_steps + 1:
+        raise SpeculativeConfigError(
+            f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 ({num_steps + 1}) with top-k 1, "
+            f"got {num_draft_tokens}", "--speculative-num-draft-tokens")
+    return SpeculativeConfig(algorithm=algo, num_steps=num_steps)

@@ -1,0 +1,132 @@
+"""SpecModelRunner: the ModelRunner with speculative decode steps for the requests the drafter follows.
+
+The engine marks a request speculative (Scheduler.add_request(speculative=True)); every row of
+such a request goes through this runner's speculative paths, eager, so the drafter sees every
+position's hidden state:
+
+* a prompt chunk runs `spec.prefill.prefill_chunk` (the runner's prefill with every hidden
+  state kept) and the drafter observes its positions. The next token of a chunk's last position
+  is the row's `next_token_id` (the next prompt token) or, for the chunk that ends the prompt,
+  the sampled token. A chunk at position 0 starts the request over (a preempted request
+  re-prefills): the drafter forgets what it had for it first;
+* a decode row runs in `SpecDecoder.step` with its `num_lookahead` drafts (0: a plain step
+  through the verify path) and returns every emitted token (`RowResult.extra_token_ids`).
+
+Rows of other requests run exactly as in ModelRunner (its graphs, compiled when loaded). The
+rollback checkpoints are `max_decode_batch` ids of the runner's checkpoint pool reserved past the
+prefix cache's (`allocate_cache_tiers` adds them), so the two never share an id.
+Counters for the stats: `num_verifies`, `num_draft_tokens`, `num_accepted_tokens` of the last
+`execute` (`last_spec`), and per draft position (`accepted_per_position`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from trnrt.engine.cache_manager import IdPool
+from trnrt.engine.model_runner import ModelRunner
+from trnrt.engine.outputs import RowInput, RowResult
+from trnrt.engine.spec.decoder import SpecDecoder
+from trnrt.engine.spec.drafter import Drafter, MTPDrafter
+from trnrt.engine.spec.prefill import prefill_chunk
+
+
+class _OffsetPool:
+    """`size` ids starting at `base`, with IdPool's allocate/free (the reserved checkpoint ids)."""
+
+    def __init__(self, base: int, size: int, name: str = "speculative checkpoint"):
+        self.base = base
+        self._pool = IdPool(size, name)
+        self.name = name
+
+    @property
+    def size(self) -> int:
+        return self._pool.size + self.base  # SlotSnapshots checks the largest id fits the pool
+
+    @property
+    def num_free(self) -> int:
+        return self._pool.num_free
+
+    def allocate(self, n: int = 1):
+        ids = self._pool.allocate(n)
+        return None if ids is None else [self.base + i for i in ids]
+
+    def free(self, ids) -> None:
+        self._pool.free([i - self.base for i in ids])
+
+
+@dataclass
+class SpecStepStats:
+    """What one `execute` verified: rows, drafts, accepted drafts, acceptances per position."""
+
+    num_verifies: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+class SpecModelRunner(ModelRunner):
+    """ModelRunner + speculative decoding (see the module doc).
+
+    num_steps: k, the most drafts a decode row verifies; drafter_factory(runner) -> Drafter
+    (default: the model's MTP layer, `MTPDrafter`; tests pass the oracle drafter).
+    """
+
+    def __init__(self, model, state, engine_config, vocab_size: int, *, num_steps: int,
+                 drafter_factory: Callable[["SpecModelRunner"], Drafter] | None = None, compiled=None):
+        super().__init__(model, state, engine_config, vocab_size, compiled=compiled)
+        self.num_steps = int(num_steps)
+        self._reserve = engine_config.max_decode_batch
+        self.drafter = (drafter_factory or MTPDrafter)(self)
+        self.decoder: SpecDecoder | None = None
+        self.last_spec = SpecStepStats(accepted_per_position=[0] * self.num_steps)
+        self.allocate_cache_tiers(0, 0, 0)  # the reserve alone, until a prefix cache asks for more
+
+    def allocate_cache_tiers(self, num_checkpoints: int, num_host_pages: int, num_host_checkpoints: int) -> None:
+        super().allocate_cache_tiers(num_checkpoints + self._reserve, num_host_pages, num_host_checkpoints)
+        self.decoder = SpecDecoder(self, self.drafter, self.num_steps, _OffsetPool(num_checkpoints, self._reserve))
+
+    def release(self, request_ids) -> None:
+        self.drafter.release(list(request_ids))
+
+    def execute(self, rows: list[RowInput]) -> list[RowResult]:
+        results: list[RowResult | None] = [None] * len(rows)
+        plain = [i for i, r in enumerate(rows) if not r.speculative]
+        if plain:
+            for i, res in zip(plain, super().execute([rows[i] for i in plain])):
+                results[i] = res
+        stats = SpecStepStats(accepted_per_position=[0] * self.num_steps)
+        for i, r in enumerate(rows):
+            if r.speculative and not r.spec_decode:
+                results[i] = self._prefill(r)
+        decode = [i for i, r in enumerate(rows) if r.speculative and r.spec_decode]
+        if decode:
+            drows = [rows[i] for i in decode]
+            outs = self.decoder.step(drows, [r.num_lookahead for r in drows])
+            for i, r, o in zip(decode, drows, outs):
+                results[i] = RowResult(token_id=o.token_ids[0], extra_token_ids=list(o.token_ids[1:]),
+                                       num_drafts=len(o.drafts), num_accepted=o.num_accepted)
+                if o.drafts:
+                    stats.num_verifies += 1
+                    stats.num_draft_tokens += len(o.drafts)
+                    stats.num_accepted_tokens += o.num_accepted
+                    for j in range(o.num_accepted):
+                        stats.accepted_per_position[j] += 1
+        self.last_spec = stats
+        return results  # type: ignore[return-value]
+
+    def _prefill(self, r: RowInput) -> RowResult:
+        if r.start_pos == 0:
+            self.drafter.release([r.request_id])  # a (re-)prefill from an empty state
+        tok, hidden = prefill_chunk(self, r)
+        after = tok if r.do_sample else r.next_token_id
+        if after is None:
+            raise ValueError(f"{r.request_id}: a partial prompt chunk without its next token")
+        self.drafter.observe(r.request_id, r.start_pos, [*r.token_ids[1:], after], hidden)
+        return RowResult(token_id=tok)
+
+
+def speculative_rows(rows: Sequence[RowInput]) -> int:
+    """How many rows of a step the drafter follows (for tests and logs)."""
+    return sum(1 for r in rows if r.speculative)
