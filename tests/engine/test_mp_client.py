@@ -1,8 +1,9 @@
 """The engine core in its own process (trnrt.engine.mp_client / core_proc), driven through the
 EngineClient protocol with the scripted engine of `trnrt serve --scripted` in the child: outputs
 equal the in-process engine's, the engine's exceptions cross with their type and field, aborts
-and flushes work, stats sections and finish records reach this side, a dead engine process ends
-every open stream and refuses new work, and shutdown leaves no process or thread behind."""
+and flushes work, stats sections, speculative-decoding stats and finish records reach this side, a
+dead engine process ends every open stream and refuses new work, and shutdown leaves no process or
+thread behind."""
 
 from __future__ import annotations
 
@@ -44,9 +45,20 @@ def _wait(cond, timeout=10.0):
     return False
 
 
+def spec_engine_factory(args: ServeArgs):
+    """engine_core_factory's engine with speculative stats reported as a speculative engine reports
+    them (module level: the spawned engine process imports it by name)."""
+    engine = engine_core_factory(args)
+    engine.stats_collector.set_speculative("NEXTN", 2)
+    engine.stats_collector.on_spec_step(3, 6, 3, [2, 1])  # 3 verifies, 6 drafts, 3 accepted
+    return engine
+
+
 @pytest.fixture(scope="module")
 def client():
-    c = MPEngineClient(engine_core_factory, (_args(scripted_step_delay_s=0.002),))
+    # The scripted engine of `trnrt serve --scripted`; its stats collector also holds a few
+    # speculative-decoding figures (spec_engine_factory) for the test that checks they cross.
+    c = MPEngineClient(spec_engine_factory, (_args(scripted_step_delay_s=0.002),))
     yield c
     c.shutdown(0.0)
     assert not c._proc.is_alive()
@@ -124,6 +136,19 @@ def test_stats_sections_and_finish_records(client):
     assert snap["counters"]["requests_finished_total"] >= 1
     client.stats_collector.set_section("http_side", None)
     assert "http_side" not in client.stats()["engines"][0]
+
+
+def test_speculative_stats_cross_the_process_boundary(client):
+    """The /v1/stats snapshot is built in the engine process and sent whole (its `speculative`
+    section with it); the load it publishes carries the accept length /server_info and /v1/loads
+    read."""
+    snap = client.stats()
+    spec = snap["engines"][0]["speculative"]
+    assert (spec["enabled"], spec["algorithm"], spec["num_steps"]) == (True, "NEXTN", 2)
+    assert (spec["num_verifies"], spec["num_accepted_tokens"], spec["accepted_per_position"]) == (3, 3, [2, 1])
+    assert spec["avg_accept_length"] == 2.0 and spec["accept_rate"] == 0.5
+    assert snap["speculative"] == spec
+    assert _wait(lambda: client.load().spec_accept_length == 2.0) and client.load().spec_accept_rate == 0.5
 
 
 def test_dead_engine_process_ends_streams_and_refuses_work():

@@ -476,6 +476,69 @@ def test_loads_and_get_load_mid_stream_and_prometheus(srv):
     assert srv.raw("GET", "/get_load")[1] == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
 
 
+# --- speculative decoding stats on every route -----------------------------------------------------
+def test_speculative_stats_on_every_route(tokenizer_factory):
+    """The engine's stats collector fed as a speculative engine feeds it (set_speculative at start,
+    on_spec_step per verifying step): /v1/stats, /server_info, /v1/loads (JSON and Prometheus) and
+    /metrics report it; off (the default) and before the first verify they report nothing made up."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine = scripted_engine(tokenizer_factory)
+    stats = engine.stats_collector
+
+    def published(length) -> bool:  # the engine publishes its load after each step or idle turn
+        deadline = time.monotonic() + 5.0
+        while engine.load().spec_accept_length != length:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def routes() -> tuple[dict, object, dict, str, str]:
+        spec = client.simulate_get("/v1/stats").json["engines"][0]["speculative"]
+        accept = client.simulate_get("/server_info").json["internal_states"][0]["avg_spec_accept_length"]
+        (entry,) = client.simulate_get("/v1/loads").json["loads"]
+        loads_prom = client.simulate_get("/v1/loads", params={"format": "prometheus"}).text
+        return spec, accept, entry, loads_prom, client.simulate_get("/metrics").text
+
+    try:
+        client = app_client(engine, tokenizer_factory)
+        spec, accept, entry, loads_prom, metrics = routes()  # off
+        assert spec["enabled"] is False and spec["avg_accept_length"] is None and accept is None
+        assert "speculative" not in entry and "sglang_spec_" not in loads_prom and "trnrt_spec_" not in metrics
+
+        stats.set_speculative("NEXTN", 3)
+        assert published(None)
+        spec, accept, entry, loads_prom, metrics = routes()  # on, nothing verified yet
+        assert (spec["enabled"], spec["algorithm"], spec["num_steps"], spec["num_verifies"]) == (True, "NEXTN", 3, 0)
+        assert spec["avg_accept_length"] is None and spec["accept_rate"] is None and accept is None
+        assert "speculative" not in entry  # SGLang leaves the section out before the first verify
+        assert "trnrt_spec_accept_length{" in metrics and "trnrt_spec_decode_num_drafts_total{" in metrics
+
+        stats.on_spec_step(4, 12, 6, [3, 2, 1])
+        stats.on_spec_step(2, 6, 4, [2, 1, 1])  # 6 verifies, 18 drafts, 10 accepted
+        assert published(16 / 6)
+        spec, accept, entry, loads_prom, metrics = routes()
+        assert (spec["num_verifies"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (6, 18, 10)
+        assert spec["avg_accept_length"] == 16 / 6 and spec["accept_rate"] == 10 / 18
+        assert spec["accepted_per_position"] == [5, 3, 2] and spec["windows"]["1m"]["num_verifies"] == 6
+        assert accept == 16 / 6  # what bench_serving reads
+        assert entry["speculative"] == {"accept_length": 2.6667, "accept_rate": 0.5556}
+        inc = client.simulate_get("/v1/loads", params={"include": "spec"}).json["loads"][0]
+        assert set(inc) == LOAD_CORE_KEYS | {"speculative"}
+        assert 'sglang_spec_accept_length{dp_rank="0"} 2.6667' in loads_prom
+        fams = {f.name: f for f in text_string_to_metric_families(metrics)}
+        values = {name: fams[name].samples[0].value for name in (
+            "trnrt_spec_decode_num_drafts", "trnrt_spec_decode_num_draft_tokens",
+            "trnrt_spec_decode_num_accepted_tokens", "trnrt_spec_accept_length")}
+        assert values == {"trnrt_spec_decode_num_drafts": 6, "trnrt_spec_decode_num_draft_tokens": 18,
+                          "trnrt_spec_decode_num_accepted_tokens": 10, "trnrt_spec_accept_length": 16 / 6}
+        per_pos = {s.labels["position"]: s.value for s in fams["trnrt_spec_decode_num_accepted_tokens_per_pos"].samples}
+        assert per_pos == {"0": 5, "1": 3, "2": 2}
+    finally:
+        engine.shutdown(0.0)
+
+
 # --- auth -----------------------------------------------------------------------------------------
 def _call(client, method: str, path: str, key: str | None):
     headers = {"Content-Type": "application/json"}

@@ -166,6 +166,37 @@ def test_key_bindings_pause_refresh_quit(make_snapshot):
     assert src.fetches > 0
 
 
+def test_summary_shows_spec_accept_length_only_when_enabled(make_snapshot):
+    """Speculative decoding off (every fixture snapshot): no spec line; on: a line under the summary
+    with the accept length and rate of the top-level `speculative` section."""
+    from trnrt.stats import StatsCollector
+
+    off = make_snapshot(0)
+    c = StatsCollector()
+    c.set_speculative("NEXTN", 3)
+    c.on_spec_step(4, 12, 6, [3, 2, 1])  # (6 + 4) / 4 = 2.5 tokens per verify, 6 / 12 = 50% accepted
+    on = dict(off, speculative=c.snapshot()["speculative"])
+    src = FakeStatsSource([off, on])
+
+    async def run():
+        app = TopApp(src, interval=60.0)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.polls_applied >= 1)
+            line = app.query_one("#spec", Static)
+            await pilot.pause(0.05)
+            assert not line.display and "spec" not in "\n".join(screen_text(app.export_screenshot()))
+            await pilot.press("r")
+            await wait_for(pilot, lambda: app.polls_applied >= 2)
+            await pilot.pause(0.05)
+            assert line.display
+            assert str(line.render()) == "spec accept length 2.50 (rate 50%) · NEXTN, 3 draft steps"
+            screen = screen_text(app.export_screenshot())
+            # its own line, right under the summary
+            assert screen[2].strip() == "spec accept length 2.50 (rate 50%) · NEXTN, 3 draft steps"
+
+    asyncio.run(run())
+
+
 def test_screenshot_snapshot(make_snapshot):
     """Constant data, fixed size, no clock, a long interval: the screen is deterministic.
 

@@ -84,6 +84,9 @@ class EngineLoad:
     num_used_checkpoints / num_total_checkpoints: the device state-checkpoint pool.
     num_host_used_pages / num_host_total_pages, num_host_used_checkpoints /
         num_host_total_checkpoints: the host tier (hierarchical cache; 0 when off).
+    spec_accept_length / spec_accept_rate: speculative decoding since start, from the stats
+        collector (StatsCollector.spec_summary): tokens emitted per verify (accepted drafts + 1)
+        and accepted / proposed drafts; None while it is off or before the first verify.
     """
 
     num_running_reqs: int = 0
@@ -111,6 +114,8 @@ class EngineLoad:
     num_host_total_pages: int = 0
     num_host_used_checkpoints: int = 0
     num_host_total_checkpoints: int = 0
+    spec_accept_length: float | None = None
+    spec_accept_rate: float | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

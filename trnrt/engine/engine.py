@@ -1294,6 +1294,7 @@ class Engine:
         used_pages = self._used_pages()
         used_tokens = used_pages * page
         max_tokens = c.num_usable_blocks * page
+        spec = self.stats_collector.spec_summary()
         return EngineLoad(
             num_running_reqs=s.num_running,
             num_waiting_reqs=s.num_waiting,
@@ -1309,6 +1310,8 @@ class Engine:
             num_used_slots=c.num_used_slots,
             num_total_slots=c.num_usable_slots,
             page_size=page,
+            spec_accept_length=spec["avg_accept_length"],
+            spec_accept_rate=spec["accept_rate"],
             **self._prefix_cache_load(),
         )
 

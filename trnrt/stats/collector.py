@@ -9,6 +9,8 @@ Producer side (engine thread, cheap calls: one uncontended lock and a few dict o
     stats.on_tokens(rid, n)                                # n new output tokens: TTFT, then ITL
     stats.on_request_finished(rid, "stop", num_cached_tokens=k)
     stats.set_live(running=..., queued=..., pages_used=..., ...)   # once per step
+    stats.set_speculative("NEXTN", 3)                      # once at start (None: off, the default)
+    stats.on_spec_step(num_verifies, num_draft_tokens, num_accepted_tokens, accepted_per_position)
 
 Consumer side (any thread): `snapshot()` returns the /v1/stats document (trnrt.stats.schema).
 
@@ -31,9 +33,12 @@ from trnrt.stats.schema import (
     LIVE_KEYS,
     QUANTILES,
     RATE_WINDOWS,
+    SPEC_WINDOWS,
     EngineStats,
     hit_rate,
     merge_snapshots,
+    spec_ratios,
+    speculative_section,
 )
 from trnrt.stats.windows import BucketedCounter, LatencyWindow, summarize
 
@@ -112,6 +117,19 @@ class StatsCollector:
         self._sections: dict[str, Callable[[], object]] = {}
         self._info: dict = {"model": "", "served_model_name": "", "preset": "", "backend": "",
                             "compiled": False, "version": _version()}
+        # Speculative decoding (set_speculative / on_spec_step); off until set_speculative.
+        self._horizon, self._bucket_s = horizon, bucket_s
+        self._spec_algorithm: str | None = None
+        self._spec_num_steps = 0
+        self._spec_ignored_warned = False
+        self._spec_reset()
+
+    def _spec_reset(self) -> None:
+        # (Re)create the speculative counters: verifies, draft tokens, accepted tokens, per position.
+        self._spec_verifies = BucketedCounter(self._horizon, self._bucket_s)
+        self._spec_drafts = BucketedCounter(self._horizon, self._bucket_s)
+        self._spec_accepted = BucketedCounter(self._horizon, self._bucket_s)
+        self._spec_per_pos = [0] * self._spec_num_steps
 
     # ---- producer API (engine thread) -------------------------------------------------------
 
@@ -156,6 +174,62 @@ class StatsCollector:
         with self._lock:
             for k, v in live.items():
                 self._live[k] = int(v)
+
+    def set_speculative(self, algorithm: str | None, num_steps: int = 0) -> None:
+        """Speculative decoding's configuration; the engine calls it once at start.
+
+        `algorithm`: e.g. "NEXTN" (MTP drafts), or None for off (the default: the `speculative`
+        section then reports `enabled: false` with zeros and nulls, /metrics has no spec series and
+        /server_info's `avg_spec_accept_length` is null). `num_steps`: drafts proposed per verify,
+        the length of `accepted_per_position` (0 when off). Calling it again starts the
+        speculative counters from zero (a new configuration's numbers never mix with the old).
+        Raises ValueError on an empty algorithm or a negative or non-integer `num_steps`.
+        """
+        if algorithm is not None and (not isinstance(algorithm, str) or not algorithm):
+            raise ValueError(f"algorithm must be a non-empty string or None, got {algorithm!r}")
+        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 0:
+            raise ValueError(f"num_steps must be an integer >= 0, got {num_steps!r}")
+        with self._lock:
+            self._spec_algorithm = algorithm
+            self._spec_num_steps = num_steps if algorithm is not None else 0
+            self._spec_reset()
+
+    def on_spec_step(
+        self,
+        num_verifies: int,
+        num_draft_tokens: int,
+        num_accepted_tokens: int,
+        accepted_per_position: list[int] | None = None,
+        now: float | None = None,
+    ) -> None:
+        """One engine step verified drafts: `num_verifies` sequences, `num_draft_tokens` drafts
+        proposed over them, `num_accepted_tokens` of those accepted; `accepted_per_position[j]`:
+        how many sequences accepted draft j+1 (at most `num_steps` entries; shorter is padded with
+        zeros). Call it once per such step, from the engine thread.
+
+        Cheap: one lock and three bucket adds (plus one per position). Ignored while speculative
+        decoding is off (`set_speculative` not called, or called with None; a warning is logged
+        once). Raises ValueError when `accepted_per_position` is longer than `num_steps` (a
+        programming error, caught by tests).
+        """
+        now = self._clock() if now is None else now
+        with self._lock:
+            if self._spec_algorithm is None:
+                warn, self._spec_ignored_warned = not self._spec_ignored_warned, True
+            else:
+                warn = False
+                per_pos = self._spec_per_pos
+                if accepted_per_position:
+                    if len(accepted_per_position) > len(per_pos):
+                        raise ValueError(f"accepted_per_position has {len(accepted_per_position)} entries; "
+                                         f"num_steps is {len(per_pos)}")
+                    for j, v in enumerate(accepted_per_position):
+                        per_pos[j] += v
+                self._spec_verifies.add(num_verifies, now)
+                self._spec_drafts.add(num_draft_tokens, now)
+                self._spec_accepted.add(num_accepted_tokens, now)
+        if warn:
+            log.warning("stats: on_spec_step while speculative decoding is off (set_speculative not called); ignored")
 
     def on_request_arrived(self, rid: str, num_prompt_tokens: int, now: float | None = None) -> None:
         """A request entered the engine's waiting queue. Starts its queue time, TTFT and E2E clocks."""
@@ -315,6 +389,7 @@ class StatsCollector:
             info = dict(self._info)
             recent_requests = list(self._recent)
             sections = dict(self._sections)
+            speculative = self._speculative(now)
         latency: dict = {"window_s": window_s}
         for k in LATENCY_KEYS:
             # Stored in seconds, reported in milliseconds; cumulative sums stay in seconds for
@@ -333,6 +408,7 @@ class StatsCollector:
             "latency": latency,
             "prefix_hit_rate": hit_rate(counters),
             "recent_requests": recent_requests,
+            "speculative": speculative,
         }
         for name, provider in sections.items():
             try:
@@ -345,9 +421,30 @@ class StatsCollector:
         """The full /v1/stats document for a server with this one engine (JSON-able)."""
         return merge_snapshots([self.engine_snapshot(now)], time_s=self._wall_clock())
 
+    def spec_summary(self) -> dict:
+        """{"enabled", "avg_accept_length", "accept_rate"} since start, cheap enough for every
+        step (no windows): what the engine publishes in its load (/server_info, /v1/loads). The
+        ratios are None while off or before the first verify."""
+        with self._lock:
+            on = self._spec_algorithm is not None
+            v, d, a = self._spec_verifies.total, self._spec_drafts.total, self._spec_accepted.total
+        r = spec_ratios(int(v), int(d), int(a))  # all 0 while off
+        return {"enabled": on, "avg_accept_length": r["avg_accept_length"], "accept_rate": r["accept_rate"]}
+
+    def _speculative(self, now: float) -> dict:
+        # Under self._lock. The windows cost a pass over each ring: only when it is on.
+        counters = (("num_verifies", self._spec_verifies), ("num_draft_tokens", self._spec_drafts),
+                    ("num_accepted_tokens", self._spec_accepted))
+        totals = {k: int(c.total) for k, c in counters}
+        windows = None
+        if self._spec_algorithm is not None:
+            windows = {w: {k: int(c.sum_window(RATE_WINDOWS[w], now)[0]) for k, c in counters}
+                       for w in SPEC_WINDOWS}
+        return speculative_section(self._spec_algorithm, self._spec_num_steps, totals, self._spec_per_pos, windows)
+
 
 _CORE_KEYS = frozenset({"id", "state", "info", "live", "counters", "rates", "latency", "prefix_hit_rate",
-                        "recent_requests"})
+                        "recent_requests", "speculative"})
 
 
 def _ms(v: float | None) -> float | None:

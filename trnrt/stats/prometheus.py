@@ -6,6 +6,12 @@ cumulative `_sum` / `_count` in seconds) for latency, and the windowed rates as 
 `window` label. Prometheus users normally derive rates with `rate()` from the counters; the rate
 gauges are there so a scrape shows what `trnrt top` shows.
 
+Speculative decoding: vLLM's counters under this module's prefix (`trnrt_spec_decode_num_drafts`
+= verifies, `_num_draft_tokens`, `_num_accepted_tokens`, `_num_accepted_tokens_per_pos{position}`)
+and SGLang's gauges (`trnrt_spec_accept_length`, `trnrt_spec_accept_rate`, since start here),
+only for engines whose `speculative.enabled` is true: a server without it shows no spec series, as
+vLLM shows none without a speculative config.
+
 Two ways in, both fed by a snapshot (so /metrics and /v1/stats always agree):
 
     body = to_prometheus(collector.snapshot())                 # bytes, CONTENT_TYPE
@@ -125,12 +131,53 @@ def metric_families(snapshot: dict) -> Iterator[Metric]:
                 g.add_metric(labels(eng) + [window], float((rates or {}).get(key) or 0.0))
         yield g
 
+    yield from _spec_families(engines, base, labels)
+
     hit = GaugeMetricFamily(f"{PREFIX}_prefix_cache_hit_ratio",
                             "Cached / prompt tokens of finished requests.", labels=base)
     for eng in engines:
         r = eng.get("prefix_hit_rate")
         hit.add_metric(labels(eng), math.nan if r is None else float(r))
     yield hit
+
+
+_SPEC_COUNTERS = {
+    # speculative section key -> (vLLM's metric name without its prefix and _total, help)
+    "num_verifies": ("spec_decode_num_drafts", "Speculative verifies: sequences whose drafts were verified."),
+    "num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    "num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+}
+_SPEC_GAUGES = {
+    "avg_accept_length": ("spec_accept_length",
+                          "Tokens emitted per verify since start: accepted drafts + the bonus token."),
+    "accept_rate": ("spec_accept_rate", "Accepted / proposed draft tokens since start."),
+}
+
+
+def _spec_families(engines: list, base: list[str], labels: Callable[[dict], list[str]]) -> Iterator[Metric]:
+    """Speculative-decoding families over the engines that have it on; nothing when none has."""
+    on = [(e, e["speculative"]) for e in engines
+          if isinstance(e.get("speculative"), dict) and e["speculative"].get("enabled")]
+    if not on:
+        return
+    for key, (name, doc) in _SPEC_COUNTERS.items():
+        c = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=base)
+        for eng, spec in on:
+            c.add_metric(labels(eng), float(spec.get(key) or 0))
+        yield c
+    per_pos = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
+                                  "Sequences that accepted the draft at each position (0: the first draft).",
+                                  labels=base + ["position"])
+    for eng, spec in on:
+        for j, v in enumerate(spec.get("accepted_per_position") or []):
+            per_pos.add_metric(labels(eng) + [str(j)], float(v or 0))
+    yield per_pos
+    for key, (name, doc) in _SPEC_GAUGES.items():
+        g = GaugeMetricFamily(f"{PREFIX}_{name}", doc + " NaN before the first verify.", labels=base)
+        for eng, spec in on:
+            v = spec.get(key)
+            g.add_metric(labels(eng), math.nan if v is None else float(v))
+        yield g
 
 
 def _quantile_label(q: int) -> str:

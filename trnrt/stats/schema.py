@@ -13,7 +13,8 @@ Shape::
       "live": {...}, "counters": {...},          # sums over engines
       "rates": {...},                            # sums over engines
       "latency": {...},                          # see merge_latency: exact for one engine
-      "prefix_hit_rate": <cached / prompt tokens of finished requests, or null>
+      "prefix_hit_rate": <cached / prompt tokens of finished requests, or null>,
+      "speculative": {...}                       # see merge_speculative
     }
 
 Every rate is per second; every latency is in milliseconds; a percentile with no samples is null.
@@ -47,6 +48,11 @@ LIVE_KEYS: tuple[str, ...] = (
     "slots_total",
     "tokens_in_flight",
 )
+# Speculative decoding counters (the `speculative` section): verify passes (sequences verified),
+# draft tokens proposed, draft tokens accepted. Windows: RATE_WINDOWS but since_start (the
+# section's own figures are since start).
+SPEC_COUNTER_KEYS: tuple[str, ...] = ("num_verifies", "num_draft_tokens", "num_accepted_tokens")
+SPEC_WINDOWS: tuple[str, ...] = tuple(k for k, w in RATE_WINDOWS.items() if w is not None)
 
 
 class LatencySummary(TypedDict):
@@ -83,6 +89,7 @@ class EngineStats(TypedDict):
     # (unix), finish_reason, prompt/output/cached token counts and queue/TTFT/ITL/E2E in ms (None
     # when unknown). Numbers only: never an id or any text.
     recent_requests: list
+    speculative: dict  # see speculative_section; `enabled` false when speculative decoding is off
 
 
 class SchemaError(ValueError):
@@ -137,11 +144,74 @@ def _empty_summary() -> dict:
     return {**{f"p{q}": None for q in QUANTILES}, "count": 0, "mean": None, "total_count": 0, "total_sum_s": 0.0}
 
 
+def spec_ratios(num_verifies: int, num_draft_tokens: int, num_accepted_tokens: int) -> dict:
+    """{"accept_rate", "avg_accept_length"} of speculative-decoding counts.
+
+    accept_rate = accepted / draft tokens; avg_accept_length = (accepted + verifies) / verifies,
+    the tokens one verify emits (SGLang's `avg_spec_accept_length`: the accepted drafts plus the
+    bonus or correction token, so 1.0 means no draft accepted). None when the denominator is 0
+    (nothing verified yet), never a made-up 0.
+    """
+    return {
+        "accept_rate": num_accepted_tokens / num_draft_tokens if num_draft_tokens else None,
+        "avg_accept_length": (num_accepted_tokens + num_verifies) / num_verifies if num_verifies else None,
+    }
+
+
+def speculative_section(algorithm: str | None, num_steps: int, counts: dict, accepted_per_position: Sequence[int],
+                        windows: dict | None = None) -> dict:
+    """The `speculative` section of an engine entry (and, through merge_speculative, of the top level).
+
+    `counts`: SPEC_COUNTER_KEYS -> int since start; `windows`: SPEC_WINDOWS key -> such counts over
+    that window (None: all zero). With `algorithm` None (speculative decoding off) the section still
+    has every key, `enabled` false with zeros and nulls, so a client can read it unconditionally.
+    """
+    def block(c: dict) -> dict:
+        vals = {k: int(c.get(k) or 0) for k in SPEC_COUNTER_KEYS}
+        return {**vals, **spec_ratios(*(vals[k] for k in SPEC_COUNTER_KEYS))}
+
+    windows = windows or {}
+    return {
+        "enabled": algorithm is not None,
+        "algorithm": algorithm,
+        "num_steps": int(num_steps),
+        **block(counts),
+        "accepted_per_position": [int(v) for v in accepted_per_position],
+        "windows": {w: block(windows.get(w) or {}) for w in SPEC_WINDOWS},
+    }
+
+
+def merge_speculative(sections: Sequence[dict | None]) -> dict:
+    """The top-level `speculative` section over engine sections (missing or None: off).
+
+    enabled: any engine has it on; algorithm: the first enabled engine's; num_steps: the largest;
+    counts (since start, per window, per position) summed; the ratios recomputed from the sums.
+    One engine gives exactly its own section.
+    """
+    on = [s for s in sections if isinstance(s, dict) and s.get("enabled")]
+    if not on:
+        return speculative_section(None, 0, {}, [])
+    positions = max(len(s.get("accepted_per_position") or []) for s in on)
+    per_pos = [0] * positions
+    for s in on:
+        for j, v in enumerate(s.get("accepted_per_position") or []):
+            per_pos[j] += int(v or 0)
+
+    def total(get) -> dict:
+        return {k: sum(int((get(s) or {}).get(k) or 0) for s in on) for k in SPEC_COUNTER_KEYS}
+
+    return speculative_section(
+        on[0].get("algorithm"), max(int(s.get("num_steps") or 0) for s in on), total(lambda s: s), per_pos,
+        {w: total(lambda s, w=w: (s.get("windows") or {}).get(w)) for w in SPEC_WINDOWS},
+    )
+
+
 def merge_snapshots(engines: Sequence[EngineStats], time_s: float, router: dict | None = None) -> dict:
     """Build a top-level snapshot from engine entries (one for `trnrt serve`, N behind a router).
 
     Live state, counters and rates are sums over engines; latency follows `merge_latency`; the
-    prefix hit rate is recomputed from summed token counters (token-level, like vLLM and SGLang).
+    prefix hit rate is recomputed from summed token counters (token-level, like vLLM and SGLang);
+    `speculative` follows `merge_speculative`.
     """
     engines = list(engines)
     counters = _sum_dicts([e["counters"] for e in engines])
@@ -155,6 +225,7 @@ def merge_snapshots(engines: Sequence[EngineStats], time_s: float, router: dict 
         "rates": _sum_dicts([e["rates"] for e in engines]),
         "latency": merge_latency([e["latency"] for e in engines]),
         "prefix_hit_rate": hit_rate(counters),
+        "speculative": merge_speculative([e.get("speculative") for e in engines]),
     }
     if router is not None:
         snap["router"] = router

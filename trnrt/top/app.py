@@ -1,7 +1,8 @@
 """`trnrt top`: a Textual live dashboard over a `StatsSource` (normally `GET /v1/stats`).
 
 Layout, top to bottom: header (model · preset · uptime), a banner that appears only when the
-server is unreachable or polling is paused, a one-line summary, sparklines of output tok/s and
+server is unreachable or polling is paused, a one-line summary, a line that appears only with
+speculative decoding on (its accept length and rate since start), sparklines of output tok/s and
 requests/s, the latency percentile table beside the queue / slot / KV-page / prefix-hit gauges, one
 row per engine (a router lists several), and the footer with the key bindings (q quit, p pause,
 r refresh now).
@@ -35,6 +36,7 @@ from trnrt.top.format import (
     instant_rates,
     latency_rows,
     ratio,
+    spec_text,
     total_entry,
     used_of,
 )
@@ -76,6 +78,8 @@ class TopApp(App):
     #banner.shown { display: block; }
     #banner.paused { background: $warning; color: $background; }
     #summary { height: auto; padding: 0 1; }
+    #spec { display: none; padding: 0 1; }
+    #spec.shown { display: block; }
     #charts { height: 4; }
     .chart { width: 1fr; padding: 0 1; }
     .chart Sparkline { height: 3; }
@@ -111,6 +115,7 @@ class TopApp(App):
         yield Header(show_clock=False)  # no clock: it would make screenshots differ run to run
         yield Static("", id="banner")
         yield Static(f"waiting for {self.source.description} …", id="summary")
+        yield Static("", id="spec")
         with Horizontal(id="charts"):
             with Vertical(classes="chart"):
                 yield Static("output tok/s", id="tok-label")
@@ -200,6 +205,7 @@ class TopApp(App):
             f"{live.get('queued', 0)} queued · {cnt.get('requests_finished_total', 0)} done · "
             f"{cnt.get('errors', 0)} errors"
         )
+        self._show_spec(snap.get("speculative"))
 
         self.tok_history.append(rates["gen_tps"])
         self.req_history.append(rates["rps"])
@@ -231,6 +237,17 @@ class TopApp(App):
         if len(engines) > 1:  # several engines: a last row with the totals (one engine is its own total)
             engines.append(total_entry(snap))
         self._show_engines(engines)
+
+    def _show_spec(self, section: object) -> None:
+        # Its own line, shown only with speculative decoding on: without it the screen is unchanged.
+        line = self.query_one("#spec", Static)
+        text = spec_text(section)
+        if text is None:
+            line.update("")
+            line.set_classes("")
+        else:
+            line.update(f"{text} · {section.get('algorithm')}, {section.get('num_steps', 0)} draft steps")
+            line.set_classes("shown")
 
     def _show_engines(self, engines: list[dict]) -> None:
         # Rows are keyed by engine id and updated in place, so the cursor stays put and the table

@@ -62,6 +62,16 @@ def fmt_pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.0f}%"
 
 
+def spec_text(spec: object) -> str | None:
+    """"spec accept length 2.50 (rate 75%)" (since start) for a `speculative` section that is
+    enabled; None when it is off or missing (an older server), so nothing is shown. "-" before the
+    first verify."""
+    if not isinstance(spec, dict) or not spec.get("enabled"):
+        return None
+    length = spec.get("avg_accept_length")
+    return f"spec accept length {'-' if length is None else f'{length:.2f}'} (rate {fmt_pct(spec.get('accept_rate'))})"
+
+
 def fmt_duration(s: float | None) -> str:
     """Uptime as "45s", "12m05s", "3h02m", "2d04h"."""
     if s is None:
@@ -228,6 +238,11 @@ def once_renderable(snap: dict, source: str) -> Group:
     summary.add_row("KV pages", used_of(live.get("pages_used"), live.get("pages_total")))
     summary.add_row("slots", used_of(live.get("slots_used"), live.get("slots_total")))
     summary.add_row("prefix hit", fmt_pct(snap.get("prefix_hit_rate")))
+    spec = spec_text(snap.get("speculative"))
+    if spec is not None:  # only with speculative decoding on
+        s = snap["speculative"]
+        summary.add_row("speculative", f"{spec} · {s.get('algorithm')}, {s.get('num_steps', 0)} draft steps · "
+                                       f"{s.get('num_verifies', 0)} verifies")
 
     window = (snap.get("latency") or {}).get("window_s")
     lat = Table(title=f"latency (last {window or '?'}s)", title_justify="left")

@@ -142,7 +142,9 @@ class ServerInfo:
             "world_size": 1,
             "effective_max_running_requests_per_dp": engine_info.get("max_running_requests"),
             "last_gen_throughput": load.get("gen_throughput", 0.0),
-            "avg_spec_accept_length": None,  # no speculative decoding
+            # tokens per verify since start (SGLang's; bench_serving reads it); None while
+            # speculative decoding is off or before its first verify
+            "avg_spec_accept_length": load.get("spec_accept_length"),
             # the engine reports its token capacity, not its memory in GB
             "memory_usage": {"weight": None, "kvcache": None, "token_capacity": max_tokens, "graph": None},
         })

@@ -2,7 +2,8 @@
 historical `/get_load` list. Pure Python.
 
 One engine is one SGLang DP rank (rank 0). What trnrt cannot measure is reported as SGLang reports
-what does not apply: a section that does not exist here (speculative decoding, LoRA) is left out;
+what does not apply: a section that does not apply (LoRA; speculative decoding while it is off or
+before its first verify, as SGLang leaves it out) is left out;
 a figure inside a section that trnrt has no number for is null (never a made-up 0). Counts that
 are truly zero here (no PD disaggregation queues, no grammar queue) are 0.
 """
@@ -51,6 +52,19 @@ def prefix_cache_section(load: dict) -> dict | None:
         "cache_hit_rate": round(float(load.get("cache_hit_rate", 0.0)), 4),
     }
 
+
+def speculative_section(load: dict) -> dict | None:
+    """SGLang's `speculative` section, `{"accept_length", "accept_rate"}` since start (EngineLoad's
+    spec_accept_length / spec_accept_rate), or None while speculative decoding is off or nothing was
+    verified yet (SGLang leaves the section out then). accept_length counts the bonus token (1.0:
+    no draft accepted)."""
+    length = load.get("spec_accept_length")
+    if length is None:
+        return None
+    rate = load.get("spec_accept_rate")
+    return {"accept_length": round(float(length), 4), "accept_rate": None if rate is None else round(float(rate), 4)}
+
+
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -70,6 +84,7 @@ def load_entry(load: dict, dp_rank: int = 0, now: float | None = None) -> dict:
     total = int(load.get("num_total_tokens", 0))
     waiting_tokens = int(load.get("num_waiting_uncached_tokens", 0))
     utilization = max(running / max_running if max_running else 0.0, token_usage / 0.9)
+    spec = speculative_section(load)
     entry = {
         "timestamp": time.time() if now is None else now,
         "dp_rank": dp_rank,
@@ -93,6 +108,7 @@ def load_entry(load: dict, dp_rank: int = 0, now: float | None = None) -> dict:
         # weights, KV cache and graph sizes are not reported by the engine; its token capacity is.
         "memory": {"weight_gb": None, "kv_cache_gb": None, "graph_gb": None,
                    "token_capacity": int(load.get("max_total_num_tokens", 0))},
+        **({"speculative": spec} if spec is not None else {}),
         # no PD disaggregation: SGLang's mode "null" with empty queues
         "disaggregation": {"mode": "null", "prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
                            "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0,
