@@ -74,6 +74,20 @@ class ServeArgs:
     # The engine core in its own process (trnrt.engine.mp_client); None: yes for the model, no
     # for --scripted (the API tests' engine)
     engine_process: bool | None = None
+    # Speculative decoding (SGLang's --speculative-* names, vLLM's --speculative-config JSON)
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_config: str | None = None
+
+    def speculative(self):
+        """The engine's SpeculativeConfig (None: off); raises SpeculativeConfigError naming the flag."""
+        from trnrt.engine.spec.config import resolve_speculative
+
+        return resolve_speculative(self.speculative_algorithm, self.speculative_num_steps,
+                                   self.speculative_eagle_topk, self.speculative_num_draft_tokens,
+                                   self.speculative_config)
 
     @property
     def max_concurrent_requests(self) -> int:
@@ -144,7 +158,16 @@ def _choice(value: str, choices: tuple[str, ...], flag: str) -> str:
 def check_cache_and_scheduling(args: ServeArgs) -> None:
     """The cross-flag rules of the prefix cache and scheduling options (usage errors, exit 2),
     checked before the model loads: SGLang's startup checks, and the checkpoint interval against
-    the preset's block size."""
+    the preset's block size. Also the speculative-decoding flags."""
+    from trnrt.engine.spec.config import SpeculativeConfigError
+
+    try:
+        spec = args.speculative()
+    except SpeculativeConfigError as e:
+        raise typer.BadParameter(str(e), param_hint=e.field)
+    if spec is not None and args.scripted:
+        raise typer.BadParameter("speculative decoding needs the model (its MTP layer), not --scripted",
+                                 param_hint="--speculative-algorithm")
     if args.enable_priority_scheduling and args.schedule_policy not in PRIORITY_POLICIES:
         raise typer.BadParameter(PRIORITY_POLICY_MESSAGE, param_hint="--schedule-policy")
     if args.enable_hierarchical_cache and args.disable_radix_cache:
@@ -355,7 +378,7 @@ def build_engine(args: ServeArgs):
                                    compiled_loader=loader, compiled_backend=args.backend or "cpu",
                                    stream_interval=args.stream_interval, structured_outputs=args.structured_outputs,
                                    penalties=args.penalties, prompt_logprobs=args.prompt_logprobs,
-                                   **kw)
+                                   speculative=args.speculative(), **kw)
     return engine, tokenizer_factory
 
 
@@ -527,6 +550,11 @@ def serve(
     response_store_ttl: Annotated[float, typer.Option("--response-store-ttl", help="Seconds a stored response is kept after its last write (0: until evicted for size).", min=0)] = 3600.0,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", "--max-prefill-tokens", help="Tokens one engine step may compute, decodes and prefill chunks together (vLLM's flag; SGLang's --max-prefill-tokens is accepted as the same budget). Default: the largest decode batch + 4 x the largest prefill chunk.", min=1)] = None,
     disable_compiled_cache: Annotated[bool, typer.Option("--disable-compiled-cache/", help="Without --compiled: run eagerly even when `trnrt compile` left graphs of this model and preset in the artifact cache (default: use them when valid).")] = False,
+    speculative_algorithm: Annotated[Optional[str], typer.Option("--speculative-algorithm", help="NEXTN (alias EAGLE, MTP): draft with the model's own MTP layer and verify the drafts in one target pass (SGLang's flag). Requests with a grammar, penalties, logprobs, prompt logprobs, a thinking budget or n > 1 run plain steps beside them; speculative requests bypass the prefix cache. Eager draft/verify steps.")] = None,
+    speculative_num_steps: Annotated[Optional[int], typer.Option("--speculative-num-steps", help="Drafts per verify (1..8; default 3).")] = None,
+    speculative_eagle_topk: Annotated[Optional[int], typer.Option("--speculative-eagle-topk", help="Only 1 (chain drafting).")] = None,
+    speculative_num_draft_tokens: Annotated[Optional[int], typer.Option("--speculative-num-draft-tokens", help="--speculative-num-steps + 1 with top-k 1 (SGLang's flag; sets the steps when they are not given).")] = None,
+    speculative_config: Annotated[Optional[str], typer.Option("--speculative-config", help="vLLM's spelling: a JSON object {\"method\": \"mtp\", \"num_speculative_tokens\": k}.")] = None,
     engine_process: Annotated[Optional[bool], typer.Option("--engine-process/--engine-in-process", help="Run the engine core (scheduler, model runner, detokenizer) in a process of its own, as SGLang does, so HTTP work and engine steps never wait for each other on one GIL (default: on; --engine-in-process runs it on a thread of the server's process).")] = None,
     chunked_prefill_size: Annotated[Optional[int], typer.Option("--chunked-prefill-size", help="Most tokens in one prefill chunk (SGLang's flag), at most the preset's largest prefill bucket (the default); -1: no chunking (needs --max-num-batched-tokens >= the context length).", min=-1)] = None,
 ) -> None:
@@ -583,7 +611,9 @@ def serve(
         max_num_batched_tokens=max_num_batched_tokens, chunked_prefill_size=chunked_prefill_size,
         disable_compiled_cache=disable_compiled_cache,
         structured_outputs=structured_outputs, penalties=penalties, prompt_logprobs=prompt_logprobs,
-        engine_process=engine_process,
+        engine_process=engine_process, speculative_algorithm=speculative_algorithm,
+        speculative_num_steps=speculative_num_steps, speculative_eagle_topk=speculative_eagle_topk,
+        speculative_num_draft_tokens=speculative_num_draft_tokens, speculative_config=speculative_config,
     )
     check_cache_and_scheduling(args)
     _check_port_free(host, port)  # before the model loads (seconds), not after

@@ -734,7 +734,17 @@ class Engine:
             "scheduler_config": {f.name: _jsonable(getattr(scfg, f.name)) for f in dataclasses.fields(scfg)},
             "disable_radix_cache": self.prefix_cache is None,
             "prefix_cache": self._prefix_cache_info(),
+            # SGLang's names (None: off); speculative requests bypass the prefix cache
+            **self._speculative_info(),
         }
+
+    def _speculative_info(self) -> dict:
+        spec = self.speculative_config
+        if spec is None:
+            return {"speculative_algorithm": None, "speculative_num_steps": None, "speculative_eagle_topk": None,
+                    "speculative_num_draft_tokens": None}
+        return {"speculative_algorithm": spec.algorithm, "speculative_num_steps": spec.num_steps,
+                "speculative_eagle_topk": 1, "speculative_num_draft_tokens": spec.num_draft_tokens}
 
     def _prefix_cache_info(self) -> dict | None:
         pcc = self.prefix_cache_config
