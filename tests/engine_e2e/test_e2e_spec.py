@@ -201,3 +201,35 @@ def test_mtp_drafter_through_the_engine(model_dir, reference, random_prompts):
         assert engine.runner.drafter._computed == {} and engine.runner.drafter._pending == {}
     finally:
         engine.shutdown()
+
+
+def test_dynamic_speculation_falls_back_where_drafts_fail(model_dir, reference, random_prompts):
+    """min_accept_length 2: requests whose drafts are all wrong go on with plain steps after the
+    probe verifies (same output), those whose drafts are right keep speculating."""
+    from trnrt.engine.engine import Engine
+    from trnrt.engine.spec.config import SpeculativeConfig
+    from trnrt.engine.spec.oracle import OracleDrafter
+
+    idx = [0, 3, 8, 12]
+    bad = {"r3", "r12"}
+    corrupt = {f"r{i}": set(range(len(random_prompts[i]), 400)) for i in idx if f"r{i}" in bad}
+    oracle = OracleDrafter(reference, V, corrupt)
+    ecfg, scfg = _configs()
+    engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg,
+                                   speculative=SpeculativeConfig(num_steps=K, min_accept_length=2.0),
+                                   drafter_factory=lambda runner: oracle)
+    try:
+        log = _record_verifies(engine)
+        streams = [_submit(engine, f"r{i}", random_prompts[i], max_new_tokens=N_OUT) for i in idx]
+        for s, i in zip(streams, idx):
+            assert collect(s, timeout=300).output_ids == reference[f"r{i}"][len(random_prompts[i]):], i
+        verifies = {}
+        for rid, _, k, _ in log:
+            if k:
+                verifies[rid] = verifies.get(rid, 0) + 1
+        assert engine.num_spec_fallbacks == 2
+        assert all(verifies[r] == engine.speculative_config.probe_verifies for r in bad), verifies
+        assert all(r in verifies and r not in bad for r in verifies if r not in bad)
+        _assert_clean(engine)
+    finally:
+        engine.shutdown()

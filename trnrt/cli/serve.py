@@ -80,6 +80,7 @@ class ServeArgs:
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_config: str | None = None
+    speculative_min_accept_length: float | None = None
 
     def speculative(self):
         """The engine's SpeculativeConfig (None: off); raises SpeculativeConfigError naming the flag."""
@@ -87,7 +88,7 @@ class ServeArgs:
 
         return resolve_speculative(self.speculative_algorithm, self.speculative_num_steps,
                                    self.speculative_eagle_topk, self.speculative_num_draft_tokens,
-                                   self.speculative_config)
+                                   self.speculative_config, self.speculative_min_accept_length)
 
     @property
     def max_concurrent_requests(self) -> int:
@@ -555,6 +556,7 @@ def serve(
     speculative_eagle_topk: Annotated[Optional[int], typer.Option("--speculative-eagle-topk", help="Only 1 (chain drafting).")] = None,
     speculative_num_draft_tokens: Annotated[Optional[int], typer.Option("--speculative-num-draft-tokens", help="--speculative-num-steps + 1 with top-k 1 (SGLang's flag; sets the steps when they are not given).")] = None,
     speculative_config: Annotated[Optional[str], typer.Option("--speculative-config", help="vLLM's spelling: a JSON object {\"method\": \"mtp\", \"num_speculative_tokens\": k}.")] = None,
+    speculative_min_accept_length: Annotated[Optional[float], typer.Option("--speculative-min-accept-length", help="Dynamic speculation (trnrt's): after 4 verifies, a request whose verifies emit fewer tokens than this on average (accepted drafts + 1) goes on with plain decode steps. Default 0: always speculate.")] = None,
     engine_process: Annotated[Optional[bool], typer.Option("--engine-process/--engine-in-process", help="Run the engine core (scheduler, model runner, detokenizer) in a process of its own, as SGLang does, so HTTP work and engine steps never wait for each other on one GIL (default: on; --engine-in-process runs it on a thread of the server's process).")] = None,
     chunked_prefill_size: Annotated[Optional[int], typer.Option("--chunked-prefill-size", help="Most tokens in one prefill chunk (SGLang's flag), at most the preset's largest prefill bucket (the default); -1: no chunking (needs --max-num-batched-tokens >= the context length).", min=-1)] = None,
 ) -> None:
@@ -614,6 +616,7 @@ def serve(
         engine_process=engine_process, speculative_algorithm=speculative_algorithm,
         speculative_num_steps=speculative_num_steps, speculative_eagle_topk=speculative_eagle_topk,
         speculative_num_draft_tokens=speculative_num_draft_tokens, speculative_config=speculative_config,
+        speculative_min_accept_length=speculative_min_accept_length,
     )
     check_cache_and_scheduling(args)
     _check_port_free(host, port)  # before the model loads (seconds), not after

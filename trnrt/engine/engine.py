@@ -281,6 +281,8 @@ class Engine:
                                    prefix_cache=self.prefix_cache, checkpoint_interval=interval)
         self.stats_collector = StatsCollector()
         self.speculative_config = None  # set by from_model_dir(speculative=...)
+        self._spec_acc: dict[str, list[int]] = {}  # dynamic speculation: request -> [verifies, tokens]
+        self.num_spec_fallbacks = 0  # requests that went on with plain steps (dynamic speculation)
         self.stats_collector.set_engine_info(
             model_info.model_path, preset=model_info.preset, backend=model_info.backend,
             compiled=model_info.compiled, served_model_name=model_info.served_model_name,
@@ -744,7 +746,8 @@ class Engine:
             return {"speculative_algorithm": None, "speculative_num_steps": None, "speculative_eagle_topk": None,
                     "speculative_num_draft_tokens": None}
         return {"speculative_algorithm": spec.algorithm, "speculative_num_steps": spec.num_steps,
-                "speculative_eagle_topk": 1, "speculative_num_draft_tokens": spec.num_draft_tokens}
+                "speculative_eagle_topk": 1, "speculative_num_draft_tokens": spec.num_draft_tokens,
+                "speculative_min_accept_length": spec.min_accept_length}
 
     def _prefix_cache_info(self) -> dict | None:
         pcc = self.prefix_cache_config
@@ -956,6 +959,21 @@ class Engine:
             min_tokens=sp.min_new_tokens,
         )
 
+    def _judge_speculation(self, scheduled, results) -> None:
+        """Dynamic speculation: a request whose verifies emit too few tokens on average (after
+        `probe_verifies` of them) stops speculating; the drafter forgets it."""
+        cfg = self.speculative_config
+        for s, r in zip(scheduled, results):
+            if not s.speculative or s.is_prefill or not getattr(r, "num_drafts", 0):
+                continue
+            acc = self._spec_acc.setdefault(s.request_id, [0, 0])
+            acc[0] += 1
+            acc[1] += r.num_accepted + 1
+            if acc[0] >= cfg.probe_verifies and acc[1] / acc[0] < cfg.min_accept_length:
+                if self.scheduler.stop_speculating(s.request_id):
+                    self.num_spec_fallbacks += 1
+                    self.runner.release([s.request_id])
+
     def speculative_ok(self, request: GenerateRequest) -> bool:
         """Whether a request's decode steps may be speculative: speculative decoding is on and
         nothing the verify cannot serve is asked: per-token logits processing (a grammar,
@@ -987,6 +1005,7 @@ class Engine:
             stream.put(output)
 
     def _release_runner(self, rid: str) -> None:
+        self._spec_acc.pop(rid, None)
         self._grammars.pop(rid, None)
         self._prompt_lps.pop(rid, None)
         self._penalties.pop(rid, None)
@@ -1171,6 +1190,8 @@ class Engine:
         if self.scheduler_config.num_speculative_tokens:
             extra = [list(getattr(r, "extra_token_ids", ())) if s.do_sample else []
                      for s, r in zip(sched_out.scheduled, results)]
+            if self.speculative_config is not None and self.speculative_config.min_accept_length > 0:
+                self._judge_speculation(sched_out.scheduled, results)
             spec = getattr(self.runner, "last_spec", None)
             if spec is not None and spec.num_verifies:
                 self.stats_collector.on_spec_step(spec.num_verifies, spec.num_draft_tokens, spec.num_accepted_tokens,

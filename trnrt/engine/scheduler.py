@@ -394,6 +394,15 @@ class Scheduler:
         self._finish(seq, reason)
         return seq
 
+    def stop_speculating(self, request_id: str) -> bool:
+        """The request goes on with plain decode steps (dynamic speculation). Its state is where
+        plain decoding leaves it after every step, so nothing moves; True if it was speculative."""
+        seq = self.requests.get(request_id)
+        if seq is None or not seq.speculative:
+            return False
+        seq.speculative = False
+        return True
+
     def abort(self, request_id: str, message: str | None = None) -> Sequence | None:
         """Abort a request waiting, running or preempted; a no-op (None) if it is not live."""
         return self.finish_request(request_id, FinishReason("abort", message=message))

@@ -33,6 +33,11 @@ class SpeculativeConfig:
 
     algorithm: str = "NEXTN"
     num_steps: int = DEFAULT_NUM_STEPS
+    # Dynamic speculation: after `probe_verifies` verifies, a request whose tokens per verify
+    # (accepted drafts + 1) average below this goes on with plain decode steps (its own
+    # graphs, compiled when loaded). 0: always speculate.
+    min_accept_length: float = 0.0
+    probe_verifies: int = 4
 
     @property
     def num_draft_tokens(self) -> int:
@@ -41,8 +46,8 @@ class SpeculativeConfig:
 
 
 def resolve_speculative(algorithm: str | None = None, num_steps: int | None = None, eagle_topk: int | None = None,
-                        num_draft_tokens: int | None = None, vllm_config: str | dict | None = None
-                        ) -> SpeculativeConfig | None:
+                        num_draft_tokens: int | None = None, vllm_config: str | dict | None = None,
+                        min_accept_length: float | None = None) -> SpeculativeConfig | None:
     """The SpeculativeConfig of SGLang's flags and/or vLLM's --speculative-config (None: off).
 
     Raises SpeculativeConfigError naming the option for what trnrt does not serve."""
@@ -68,7 +73,8 @@ def resolve_speculative(algorithm: str | None = None, num_steps: int | None = No
             num_steps = cfg["num_speculative_tokens"]
     if algorithm is None:
         for name, v in (("--speculative-num-steps", num_steps), ("--speculative-eagle-topk", eagle_topk),
-                        ("--speculative-num-draft-tokens", num_draft_tokens)):
+                        ("--speculative-num-draft-tokens", num_draft_tokens),
+                        ("--speculative-min-accept-length", min_accept_length)):
             if v is not None:
                 raise SpeculativeConfigError(f"{name} needs --speculative-algorithm", name)
         return None
@@ -91,4 +97,8 @@ def resolve_speculative(algorithm: str | None = None, num_steps: int | None = No
         raise SpeculativeConfigError(
             f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 ({num_steps + 1}) with top-k 1, "
             f"got {num_draft_tokens}", "--speculative-num-draft-tokens")
-    return SpeculativeConfig(algorithm=algo, num_steps=num_steps)
+    mal = 0.0 if min_accept_length is None else float(min_accept_length)
+    if not 0.0 <= mal <= num_steps + 1:
+        raise SpeculativeConfigError(f"--speculative-min-accept-length must be 0..{num_steps + 1} (tokens per "
+                                     f"verify), got {min_accept_length}", "--speculative-min-accept-length")
+    return SpeculativeConfig(algorithm=algo, num_steps=num_steps, min_accept_length=mal)
