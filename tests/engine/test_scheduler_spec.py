@@ -20,8 +20,9 @@ class SpecFakeRunner:
     probability `wrong` (seeded): it accepts up to the first wrong draft and emits the target's
     token there (or the bonus), and its state advances by exactly the accepted tokens + 1."""
 
-    def __init__(self, block_size: int, wrong: float = 0.3, seed: int = 0):
+    def __init__(self, block_size: int, wrong: float = 0.3, seed: int = 0, max_model_len: int = 128):
         self.block_size = block_size
+        self.max_model_len = max_model_len
         self.state: dict[int, list[int]] = {}
         self.wrong = wrong
         self.rng = random.Random(seed)
@@ -35,6 +36,9 @@ class SpecFakeRunner:
             k = e.num_lookahead
             if k:
                 assert e.speculative and not e.is_prefill and len(e.token_ids) == 1
+                # never a draft whose token could not be kept: k + 1 emitted tokens fit both limits
+                assert e.num_output_tokens + k + 1 <= e.sampling_params.max_new_tokens, e
+                assert e.num_computed_tokens + 1 + k + 1 <= self.max_model_len, e
             # the block table covers every position the verify writes
             assert len(e.block_table) >= cdiv(len(st) + len(e.token_ids) + k, self.block_size), e
             st = st + e.token_ids
@@ -98,7 +102,7 @@ def test_speculative_output_equals_plain_decoding():
 
 
 def test_drafts_are_cut_at_max_new_tokens_max_model_len_and_the_budget():
-    runner = SpecFakeRunner(4, wrong=0.0)
+    runner = SpecFakeRunner(4, wrong=0.0, max_model_len=40)
     sched = make(k=4, max_model_len=40)
     r = GenerateRequest(prompt_token_ids=list(range(10, 30)), request_id="a",
                         sampling_params=SamplingParams(max_new_tokens=100, ignore_eos=True))
@@ -128,7 +132,7 @@ def test_preemption_under_speculation_keeps_the_output():
     small = dict(num_blocks=14, num_slots=5, max_model_len=48)
     plain = run(make(k=0, **small), SpecFakeRunner(4), reqs(n=6, max_new=16), speculative=False)
     sched = make(k=3, **small)
-    spec = run(sched, SpecFakeRunner(4, wrong=0.2), reqs(n=6, max_new=16))
+    spec = run(sched, SpecFakeRunner(4, wrong=0.2, max_model_len=48), reqs(n=6, max_new=16))
     assert spec == plain
     assert sched.num_preemptions_total > 0, "no preemption: shrink the cache"
 
