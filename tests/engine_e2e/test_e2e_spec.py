@@ -233,3 +233,31 @@ def test_dynamic_speculation_falls_back_where_drafts_fail(model_dir, reference, 
         _assert_clean(engine)
     finally:
         engine.shutdown()
+
+
+def test_dynamic_speculation_gates_new_requests_while_drafts_do_not_pay(model_dir, reference, random_prompts):
+    """Every draft wrong: the first request probes and falls back; the next ones start plain
+    (no drafter work at all) except one in probe_every, which measures again."""
+    from trnrt.engine.engine import Engine
+    from trnrt.engine.spec.config import SpeculativeConfig
+    from trnrt.engine.spec.oracle import OracleDrafter
+
+    oracle = OracleDrafter(reference, V, {rid: set(range(0, 400)) for rid in reference})
+    ecfg, scfg = _configs()
+    cfg = SpeculativeConfig(num_steps=K, min_accept_length=2.0, probe_every=3)
+    engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg, speculative=cfg,
+                                   drafter_factory=lambda runner: oracle)
+    try:
+        log = _record_verifies(engine)
+        order = [0, 3, 8, 12, 5, 7]
+        for i in order:  # one at a time: each admission sees the verifies before it
+            out = collect(_submit(engine, f"r{i}", random_prompts[i], max_new_tokens=12), timeout=300)
+            assert out.output_ids == reference[f"r{i}"][len(random_prompts[i]):12 + len(random_prompts[i])], i
+        probed = [f"r{i}" for i in order if any(rid == f"r{i}" and k for rid, _, k, _ in log)]
+        # r0 and r3 probe (the gate wants probe_verifies decayed verifies: r0's 4 decay to 3.94);
+        # then it lets every third new request through (r8, r12 plain, r5 probes, r7 plain)
+        assert probed == ["r0", "r3", "r5"], probed
+        assert engine.num_spec_fallbacks == 3
+        _assert_clean(engine)
+    finally:
+        engine.shutdown()

@@ -196,6 +196,9 @@ def default_token_budget(ecfg: EngineConfig) -> int:
     return ecfg.max_decode_batch + 4 * ecfg.max_prefill_tokens
 
 
+_SPEC_DECAY = 0.99  # per verify: the admission gate follows about the last 100 verifies
+
+
 def _default_checkpoint_interval(ecfg: EngineConfig) -> int:
     """Checkpoints every largest prefill chunk (at least 64 tokens), rounded up to a page: prefill
     chunks are cut there, so at the largest chunk size the cut costs no extra graph call."""
@@ -283,6 +286,8 @@ class Engine:
         self.speculative_config = None  # set by from_model_dir(speculative=...)
         self._spec_acc: dict[str, list[int]] = {}  # dynamic speculation: request -> [verifies, tokens]
         self.num_spec_fallbacks = 0  # requests that went on with plain steps (dynamic speculation)
+        self._spec_recent = [0.0, 0.0]  # decayed [verifies, tokens] of every request (engine thread)
+        self._spec_gate_count = 0
         self.stats_collector.set_engine_info(
             model_info.model_path, preset=model_info.preset, backend=model_info.backend,
             compiled=model_info.compiled, served_model_name=model_info.served_model_name,
@@ -969,6 +974,9 @@ class Engine:
             acc = self._spec_acc.setdefault(s.request_id, [0, 0])
             acc[0] += 1
             acc[1] += r.num_accepted + 1
+            g = self._spec_recent  # every request's verifies, decayed (the admission gate)
+            g[0] = g[0] * _SPEC_DECAY + 1
+            g[1] = g[1] * _SPEC_DECAY + r.num_accepted + 1
             if acc[0] >= cfg.probe_verifies and acc[1] / acc[0] < cfg.min_accept_length:
                 if self.scheduler.stop_speculating(s.request_id):
                     self.num_spec_fallbacks += 1
@@ -982,8 +990,16 @@ class Engine:
         if not self.scheduler_config.num_speculative_tokens:
             return False
         sp = request.sampling_params
-        return (request.grammar_state is None and request.penalty_state is None and request.thinking_state is None
-                and sp.logprobs is None and sp.prompt_logprobs is None and request.prefix_group is None)
+        if not (request.grammar_state is None and request.penalty_state is None and request.thinking_state is None
+                and sp.logprobs is None and sp.prompt_logprobs is None and request.prefix_group is None):
+            return False
+        cfg = self.speculative_config
+        if cfg is not None and cfg.min_accept_length > 0:
+            v, t = self._spec_recent
+            if v >= cfg.probe_verifies and t / v < cfg.min_accept_length:
+                self._spec_gate_count += 1  # drafts do not pay lately: speculate on probes only
+                return self._spec_gate_count % cfg.probe_every == 0
+        return True
 
     def _finish_stream(self, rid: str, stream: OutputStream, output: RequestOutput) -> None:
         """Put a request's finished output on its stream; every finish goes through here.

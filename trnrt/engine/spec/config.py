@@ -38,6 +38,9 @@ class SpeculativeConfig:
     # graphs, compiled when loaded). 0: always speculate.
     min_accept_length: float = 0.0
     probe_verifies: int = 4
+    # ... and while the engine's recent verifies (all requests, decayed) emit fewer tokens than
+    # that on average, only one new request in `probe_every` speculates (to keep measuring).
+    probe_every: int = 16
 
     @property
     def num_draft_tokens(self) -> int:

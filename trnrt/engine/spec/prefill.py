@@ -6,7 +6,8 @@ to the chunk's prefill bucket, the same table width, the runner's `_pack`), with
 the forward also returns the final hidden state of every position. The state it writes is the
 runner's, computation for computation; the sampled token is drawn from the last position's
 logits computed as the base step computes them (lm_head over the last hidden state) by the same
-sampler, so it is the token the runner would return.
+sampler, so it is the token the runner would return. (`all_hidden`: no logits for the other
+positions.)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def prefill_chunk(runner, row: RowInput) -> tuple[int, torch.Tensor]:
     context = cfg.prefill_context_bucket(max(row.start_pos + n, tokens))
     (ids, start, num, tables, slots, temp, top_p, top_k, min_p, seeds, spos) = runner._pack([row], 1, tokens, context)
     with torch.inference_mode():
-        out = model(ForwardBatch(ids, start, num, tables, slots), runner.state, all_logits=True)
+        out = model(ForwardBatch(ids, start, num, tables, slots), runner.state, all_hidden=True)
         logits = F.linear(out.hidden, model.head_weight()).float()  # [1, V] as the base step's
         if row.temperature <= 0.0:
             tok = sample_greedy(logits, 1)[0]

@@ -934,8 +934,11 @@ class Glm5NextForServing(nn.Module):
             raise ValueError("forward_mtp needs the MTP layer (load_mtp=True) and its state (allocate_state(mtp=True))")
         return self.mtp(batch, prev_hidden, state.mtp, self.embed_tokens.weight, self.head_weight(), all_positions)
 
-    def forward(self, batch: ForwardBatch, state: ModelState, all_logits: bool = False) -> ModelOutput:
+    def forward(self, batch: ForwardBatch, state: ModelState, all_logits: bool = False,
+                all_hidden: bool = False) -> ModelOutput:
         """Run S new tokens of B rows; updates `state` in place. See ForwardBatch / ModelOutput.
+        all_hidden: hidden_all [B, S, D] as with all_logits, logits at the last token only (the
+        speculative prefill: the drafter reads every position, only the last one samples).
 
         Inference only: `load_model` freezes the parameters, so no autograd graph is built. (No
         `@torch.no_grad` here on purpose: it would wrap the body in a higher-order op under
@@ -950,10 +953,10 @@ class Glm5NextForServing(nn.Module):
             mask = m  # only the layer directly after a full one may reuse it (validated)
         last = (meta.num_new - 1).clamp(min=0)  # [B]
         head = self.head_weight()
-        if all_logits:
+        if all_logits or all_hidden:
             h = self.norm(streams.mean(2))  # [B,S,D]
-            logits = F.linear(h, head).float()
-            hidden = h.gather(1, last.view(B, 1, 1).expand(B, 1, h.shape[-1])).squeeze(1)
+            hidden = h.gather(1, last.view(B, 1, 1).expand(B, 1, h.shape[-1])).squeeze(1)  # [B,D]
+            logits = F.linear(h if all_logits else hidden, head).float()  # [B,S,V] or [B,V]
             return ModelOutput(logits=logits, hidden=hidden, hidden_all=h)
         else:
             st = streams.gather(1, last.view(B, 1, 1, 1).expand(B, 1, *streams.shape[2:])).squeeze(1)  # [B,N,D]
