@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import threading
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -15,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from trnrt.stats import StatsCollector, merge_snapshots, validate_snapshot
 from trnrt.stats.prometheus import to_prometheus
 from trnrt.stats.schema import merge_speculative, spec_ratios
+
+from concurrency_helpers import run_writer_and_readers
 
 WINDOWS = ("1m", "5m", "15m")
 ZERO = {"num_verifies": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accept_rate": None,
@@ -233,13 +234,13 @@ def test_engine_load_carries_the_summary_and_loads_has_the_section(clock):
 def test_concurrent_steps_and_snapshots_stay_consistent():
     c = StatsCollector()
     c.set_speculative("NEXTN", 2)
-    n, errors = 2000, []
+    n = 2000
 
     def writer():
         for _ in range(n):
             c.on_spec_step(2, 4, 3, [2, 1])
 
-    def reader():
+    def reader(errors):
         try:
             for _ in range(30):
                 s = c.snapshot()["speculative"]
@@ -250,12 +251,7 @@ def test_concurrent_steps_and_snapshots_stay_consistent():
         except Exception as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    run_writer_and_readers(writer, reader)
     s = c.snapshot()["speculative"]
     assert (s["num_verifies"], s["num_accepted_tokens"], s["accepted_per_position"]) == (2 * n, 3 * n, [2 * n, n])
     assert s["avg_accept_length"] == 2.5 and s["accept_rate"] == 0.75

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
 from trnrt.stats import SCHEMA_VERSION, SchemaError, StatsCollector, merge_snapshots, validate_snapshot
+
+from concurrency_helpers import run_writer_and_readers
 
 
 class FakeClock:
@@ -216,7 +217,6 @@ def test_validate_rejects_malformed(doc, msg):
 def test_concurrent_writer_and_readers_stay_consistent():
     col = StatsCollector()
     n = 3000
-    errors = []
 
     def writer():
         for i in range(n):
@@ -225,7 +225,7 @@ def test_concurrent_writer_and_readers_stay_consistent():
             col.on_tokens(f"r{i}", 2)
             col.on_request_finished(f"r{i}", "stop")
 
-    def reader():
+    def reader(errors):
         try:
             for _ in range(50):
                 s = col.snapshot()
@@ -237,12 +237,7 @@ def test_concurrent_writer_and_readers_stay_consistent():
         except Exception as e:  # surface the failure in the main thread
             errors.append(e)
 
-    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    run_writer_and_readers(writer, reader)
     c = col.snapshot()["counters"]
     assert c["requests_arrived"] == c["requests_finished_total"] == n
     assert c["generation_tokens"] == 2 * n and c["prompt_tokens"] == 3 * n
