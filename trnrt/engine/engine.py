@@ -749,7 +749,7 @@ class Engine:
         spec = self.speculative_config
         if spec is None:
             return {"speculative_algorithm": None, "speculative_num_steps": None, "speculative_eagle_topk": None,
-                    "speculative_num_draft_tokens": None}
+                    "speculative_num_draft_tokens": None, "speculative_min_accept_length": None}
         return {"speculative_algorithm": spec.algorithm, "speculative_num_steps": spec.num_steps,
                 "speculative_eagle_topk": 1, "speculative_num_draft_tokens": spec.num_draft_tokens,
                 "speculative_min_accept_length": spec.min_accept_length}
