@@ -1016,8 +1016,8 @@ class Engine:
 
     def _deliver_finished(self) -> None:
         """Engine thread: put the finished outputs held by `_finish_stream` on their streams."""
-        while self._finished_out:
-            stream, output = self._finished_out.pop(0)
+        done, self._finished_out = self._finished_out, []
+        for stream, output in done:
             stream.put(output)
 
     def _release_runner(self, rid: str) -> None:

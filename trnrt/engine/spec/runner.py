@@ -22,7 +22,7 @@ Counters for the stats: `num_verifies`, `num_draft_tokens`, `num_accepted_tokens
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 from trnrt.engine.cache_manager import IdPool
 from trnrt.engine.model_runner import ModelRunner
@@ -126,7 +126,3 @@ class SpecModelRunner(ModelRunner):
         self.drafter.observe(r.request_id, r.start_pos, [*r.token_ids[1:], after], hidden)
         return RowResult(token_id=tok)
 
-
-def speculative_rows(rows: Sequence[RowInput]) -> int:
-    """How many rows of a step the drafter follows (for tests and logs)."""
-    return sum(1 for r in rows if r.speculative)
