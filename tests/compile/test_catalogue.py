@@ -20,6 +20,14 @@ PINNED = {
     "batch8": ["decode-b8-t1-c128-base", "decode-b8-t1-c128-base-greedy", "decode-b8-t1-base", "decode-b8-t1-base-greedy",
                "prefill-b1-t32-base", "prefill-b1-t128-base"],
 }
+# The MTP presets: default's graphs, then per decode bucket the verify graphs (k + 1 = 4 tokens,
+# both rules) and one draft graph.
+_MTP = PINNED["default"] + [
+    "verify-b1-t4-base", "verify-b1-t4-base-greedy", "verify-b8-t4-base", "verify-b8-t4-base-greedy",
+    "verify-b32-t4-base", "verify-b32-t4-base-greedy",
+    "draft-b1-t4-base-greedy", "draft-b8-t4-base-greedy", "draft-b32-t4-base-greedy",
+]
+PINNED["mtp-always"] = PINNED["mtp-dynamic"] = _MTP
 
 
 @pytest.mark.parametrize("name", sorted(PINNED))
@@ -145,3 +153,34 @@ def test_flags_add_variants_and_never_change_the_base(test_variant):
 def test_flag_sets_need_their_own_definition(test_variant):
     with pytest.raises(UnknownVariantError):
         expand(load_preset("default"), ["test_bias", "penalties"])
+
+
+def test_mtp_presets_add_verify_and_draft_graphs_only():
+    """The MTP presets hold the default preset's graphs unchanged (same specs, and the same
+    graph-settings hash for the plain phases: their fingerprints are shared), plus verify / draft;
+    flags add variants of the plain phases only; mtp-always refuses the processor flags."""
+    from trnrt.compile.catalogue import SpeculativeFlagError
+    from trnrt.config.presets import phase_settings_hash, preset_hash
+
+    default = load_preset("default")
+    for name in ("mtp-always", "mtp-dynamic"):
+        cfg = load_preset(name)
+        assert cfg.speculative_num_steps == 3
+        plain = [s for s in expand(cfg) if s.phase in ("decode", "prefill")]
+        assert plain == expand(default)
+        assert preset_hash(cfg) != preset_hash(default)
+        for phase in ("decode", "prefill"):
+            assert phase_settings_hash(cfg, phase) == phase_settings_hash(default, phase)
+        assert phase_settings_hash(cfg, "verify") == preset_hash(cfg)
+        for s in expand(cfg):
+            assert spec_from_id(s.graph_id) == s
+    assert load_preset("mtp-always").speculative_mode == "always"
+    dyn = load_preset("mtp-dynamic")
+    assert dyn.speculative_mode == "dynamic" and dyn.speculative_min_accept_length > 1.0
+    flagged = expand(dyn, ["penalties", "structured_outputs"])
+    assert {s.phase for s in flagged if s.variant != "base"} == {"decode", "prefill"}
+    assert [s for s in flagged if s.variant == "base"] == expand(dyn)
+    for flag in ("penalties", "structured_outputs"):
+        with pytest.raises(SpeculativeFlagError, match="--" + flag.replace("_", "-")):
+            expand(load_preset("mtp-always"), [flag])
+    assert expand(load_preset("mtp-always"), ["prompt_logprobs"])  # prefill-only: served

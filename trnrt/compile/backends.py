@@ -31,7 +31,8 @@ from trnrt.config.engine_config import EngineConfig
 from trnrt.engine.step import GraphSpec
 
 from . import inductor_memo
-from .export import ExportedGraph, eager_callable, model_constants, state_tensors
+from .export import (ExportedGraph, eager_callable, graph_model_state, model_constants, state_tensors,
+                     step_output_names)
 
 
 class BackendUnavailable(RuntimeError):
@@ -147,7 +148,7 @@ class CpuBackend(Backend):
                              f"({len(missing)} missing): the artifact was built from another model")
         bound = {f: consts[f] for f in fqns}
         runner.load_constants(bound, check_full_update=True, user_managed=True)
-        st = [t for _, t in state_tensors(state)]
+        st = [t for _, t in state_tensors(graph_model_state(model, state, spec)[1])]
         boxed = _flat_boxed_run(runner, len(entry["inputs"]))
 
         def run(*inputs: torch.Tensor):
@@ -234,12 +235,13 @@ class CudaBackend(Backend):
     def load(self, entry, art_dir, model, state, engine_config, spec):
         self.check_available()
         eager = eager_callable(model, state, engine_config, spec)
-        if spec.phase != "decode":
+        if spec.phase not in ("decode", "verify", "draft"):
             return eager
         from .export import spec_inputs
 
         dev = next(iter(state_tensors(state)))[1].device
-        static_in = [t.to(dev) for t in spec_inputs(spec, engine_config, int(model.config.vocab_size), device=dev)]
+        static_in = [t.to(dev) for t in spec_inputs(spec, engine_config, int(model.config.vocab_size), device=dev,
+                                                     hidden_size=model.config.hidden_size)]
         # Warm up on a side stream (allocator and lazy init), as torch.cuda.graphs recommends. The
         # example inputs are padding rows: they write only the scratch block 0 and slot 0.
         s = torch.cuda.Stream()
@@ -310,11 +312,9 @@ class NeuronBackend(Backend):
         import torch_neuronx  # noqa: F401
 
         traced = torch.jit.load(str(art_dir / entry["artifact"]))
-        st = [t for _, t in state_tensors(state)]
+        st = [t for _, t in state_tensors(graph_model_state(model, state, spec)[1])]
 
-        from .catalogue import BASE_VARIANT, get_variant
-
-        n_out = 4 if spec.variant == BASE_VARIANT else len(get_variant(spec.variant).output_names)
+        n_out = len(step_output_names(spec))
 
         def run(*inputs):
             out = traced(*inputs, *st)

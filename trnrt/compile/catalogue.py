@@ -26,7 +26,7 @@ from trnrt.config.engine_config import EngineConfig
 from trnrt.engine.step import SAMPLERS, STEP_OUTPUT_NAMES, GraphSpec
 
 BASE_VARIANT = "base"
-PHASES = ("decode", "prefill")  # "verify" and "draft" arrive with MTP
+PHASES = ("decode", "prefill")  # the plain phases; "verify" and "draft" with speculative_num_steps
 _PHASE_ORDER = {p: i for i, p in enumerate(("decode", "prefill", "verify", "draft"))}
 
 
@@ -157,7 +157,39 @@ def base_specs(config: EngineConfig) -> list:
     # holds the padded chunk (a 64-token graph over a 32-token table could not place its padding)
     specs += [GraphSpec("prefill", 1, t, BASE_VARIANT, context=c) for t in config.prefill_token_buckets
               for c in config.prefill_contexts if c == 0 or c >= t]
+    return specs + speculative_specs(config)
+
+
+def speculative_specs(config: EngineConfig) -> list:
+    """The MTP graphs of a preset with speculative_num_steps k > 0, per decode batch bucket and
+    context: `verify` (the target over k + 1 tokens per row and the acceptance rule; full and
+    greedy rule, as the decode samplers) and `draft` (the MTP layer's k steps, argmax drafts: one
+    kind). Grammar and penalty variants have none: such requests run the plain graphs."""
+    k = config.speculative_num_steps
+    if not k:
+        return []
+    contexts = [c if c < config.max_model_len else 0 for c in config.context_buckets]
+    specs = [GraphSpec("verify", b, k + 1, BASE_VARIANT, sampling, ctx)
+             for b in config.decode_batch_buckets for ctx in contexts for sampling in SAMPLERS]
+    specs += [GraphSpec("draft", b, k + 1, BASE_VARIANT, "greedy", ctx)
+              for b in config.decode_batch_buckets for ctx in contexts]
     return specs
+
+
+class SpeculativeFlagError(ValueError):
+    """A flag a `speculative_mode = "always"` preset refuses (every request speculates, and the
+    speculative graphs have no grammar / penalty variant)."""
+
+
+def check_speculative_flags(config: EngineConfig, flags: Iterable[str]) -> None:
+    """Raise SpeculativeFlagError when an always-speculating preset gets a logits-processor flag."""
+    bad = sorted(processor_flags(frozenset(flags)))
+    if config.speculative_mode == "always" and bad:
+        opts = ", ".join("--" + f.replace("_", "-") for f in bad)
+        raise SpeculativeFlagError(
+            f"preset {config.preset!r} speculates on every request and its verify / draft graphs have no "
+            f"grammar or penalty variant: {opts} needs a dynamic preset (e.g. mtp-dynamic, whose such "
+            f"requests run plain steps) or a plain one")
 
 
 def spec_sort_key(spec) -> tuple:
@@ -173,6 +205,7 @@ def expand(config: EngineConfig, flags: Iterable[str] | None = None) -> list:
     Raises UnknownVariantError when the flag set has no registered variant.
     """
     fs = frozenset(config.variants if flags is None else flags)
+    check_speculative_flags(config, fs)
     base = base_specs(config)
     specs = list(base)
     variants = []

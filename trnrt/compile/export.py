@@ -132,6 +132,45 @@ def model_constants(model: nn.Module, prefix: str = "model.") -> dict[str, torch
 # The exported module
 
 
+@contextlib.contextmanager
+def without_mtp(model: nn.Module) -> Iterator[None]:
+    """Within the block the model has no `mtp` submodule: a target graph (decode, prefill,
+    verify) never reads the MTP layer, and its weights must not become inputs of those graphs
+    (they would change their hashes between a model loaded with and without it)."""
+    mods = getattr(model, "_modules", {})
+    mtp = mods.get("mtp")
+    if mtp is None:
+        yield
+        return
+    mods["mtp"] = None
+    try:
+        yield
+    finally:
+        mods["mtp"] = mtp
+
+
+def graph_model_state(model: nn.Module, state: Any, spec: GraphSpec) -> tuple[nn.Module, Any]:
+    """The module and state a graph of `spec` runs over: the model and its ModelState, or for a
+    `draft` graph the MTP parts (spec.draft_step.DraftModel) and the MTP stack (`state.mtp`)."""
+    if spec.phase != "draft":
+        return model, state
+    from trnrt.engine.spec.draft_step import DraftModel
+
+    if getattr(state, "mtp", None) is None:
+        raise ValueError(f"{spec.graph_id}: the state has no MTP stack (allocate it with mtp=True)")
+    return DraftModel(model), state.mtp
+
+
+def step_output_names(spec: GraphSpec) -> tuple[str, ...]:
+    from trnrt.engine.spec.draft_step import DRAFT_OUTPUT_NAMES, VERIFY_OUTPUT_NAMES
+
+    if spec.phase == "verify":
+        return VERIFY_OUTPUT_NAMES
+    if spec.phase == "draft":
+        return DRAFT_OUTPUT_NAMES
+    return STEP_OUTPUT_NAMES if spec.variant == BASE_VARIANT else get_variant(spec.variant).output_names
+
+
 class ExportStep(nn.Module):
     """step(*step_inputs, *state_tensors): the step function of one variant, state as inputs.
 
@@ -140,8 +179,10 @@ class ExportStep(nn.Module):
     """
 
     def __init__(self, model: nn.Module, state: Any, engine_config: EngineConfig, variant: str = BASE_VARIANT,
-                 sampling: str = "full"):
+                 sampling: str = "full", phase: str = "decode", tokens: int = 1):
         super().__init__()
+        self.phase = phase
+        self.tokens = tokens
         self.model = model
         object.__setattr__(self, "_state_template", state)
         self.num_state = len(state_tensors(state))
@@ -150,6 +191,14 @@ class ExportStep(nn.Module):
         self.sampling = sampling
 
     def make_step(self, state: Any) -> nn.Module:
+        if self.phase == "verify":
+            from trnrt.engine.spec.verify import VerifyFunction
+
+            return VerifyFunction(self.model, state, greedy_only=self.sampling == "greedy")
+        if self.phase == "draft":
+            from trnrt.engine.spec.draft_step import DraftFunction
+
+            return DraftFunction(self.model, state, self.tokens - 1)
         if self.variant == BASE_VARIANT:
             return StepFunction(self.model, state, self.engine_config.max_top_logprobs, self.sampling)
         step = get_variant(self.variant).make_step(self.model, state, self.engine_config)
@@ -166,8 +215,17 @@ class ExportStep(nn.Module):
         return tuple(self.make_step(state)(*inputs))
 
 
-def spec_inputs(spec: GraphSpec, engine_config: EngineConfig, vocab_size: int, device="cpu") -> tuple[torch.Tensor, ...]:
-    """Example step inputs of `spec` (base inputs, then the variant's extra inputs)."""
+def spec_inputs(spec: GraphSpec, engine_config: EngineConfig, vocab_size: int, device="cpu",
+                hidden_size: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Example step inputs of `spec` (base inputs, then the variant's extra inputs; a draft
+    graph's own inputs, spec.draft_step.DRAFT_INPUT_NAMES)."""
+    if spec.phase == "draft":  # hidden_size: the model's (its config.hidden_size), needed here only
+        from trnrt.engine.spec.draft_step import draft_example_inputs
+
+        if hidden_size is None:
+            raise ValueError(f"{spec.graph_id}: a draft graph's example inputs need the model's hidden_size")
+        return draft_example_inputs(spec.batch, spec.tokens - 1, engine_config.table_blocks(spec.context),
+                                    int(hidden_size), getattr(torch, engine_config.dtype), device=device)
     base = example_inputs(spec, engine_config.table_blocks(spec.context), vocab_size, device=device)
     if spec.variant == BASE_VARIANT:
         return base
@@ -176,6 +234,10 @@ def spec_inputs(spec: GraphSpec, engine_config: EngineConfig, vocab_size: int, d
 
 
 def input_names(spec: GraphSpec, state: Any) -> list[str]:
+    if spec.phase == "draft":
+        from trnrt.engine.spec.draft_step import DRAFT_INPUT_NAMES
+
+        return list(DRAFT_INPUT_NAMES) + [f"state.mtp.{n}" for n, _ in state_tensors(state)]
     names = list(STEP_INPUT_NAMES)
     if spec.variant != BASE_VARIANT:
         names += list(get_variant(spec.variant).extra_input_names)
@@ -207,17 +269,19 @@ def export_spec(model: nn.Module, state: Any, engine_config: EngineConfig, spec:
 
     dev = device if device is not None else next(iter(state_tensors(state)))[1].device
     vocab = vocab_size_of(model)
-    inputs = spec_inputs(spec, engine_config, vocab, device=dev)
-    st = [t for _, t in state_tensors(state)]
+    inputs = spec_inputs(spec, engine_config, vocab, device=dev, hidden_size=model.config.hidden_size)
+    gmodel, gstate = graph_model_state(model, state, spec)
+    st = [t for _, t in state_tensors(gstate)]
     t0 = time.perf_counter()
-    with tensors_as_buffers(model), quiet_torch_leafspec_warning():
-        mod = ExportStep(model, state, engine_config, spec.variant, spec.sampling)
+    hide = without_mtp(gmodel) if spec.phase != "draft" else contextlib.nullcontext()
+    with hide, tensors_as_buffers(gmodel), quiet_torch_leafspec_warning():
+        mod = ExportStep(gmodel, gstate, engine_config, spec.variant, spec.sampling, spec.phase, spec.tokens)
         ep = torch.export.export(mod, tuple(inputs) + tuple(st), strict=False)
     dt = time.perf_counter() - t0
-    names = input_names(spec, state)
+    names = input_names(spec, gstate)
     in_meta = [{"name": n, **_tensor_meta(t)} for n, t in zip(names, list(inputs) + st)]
     out_vals = [n.meta.get("val") for n in _output_nodes(ep)]
-    step_out = STEP_OUTPUT_NAMES if spec.variant == BASE_VARIANT else get_variant(spec.variant).output_names
+    step_out = step_output_names(spec)
     out_names = list(step_out) + [f"out{i}" for i in range(len(step_out), len(out_vals))]
     out_meta = [{"name": n, **_tensor_meta(v)} for n, v in zip(out_names, out_vals) if isinstance(v, torch.Tensor)]
     return ExportedGraph(spec=spec, program=ep, inputs=in_meta, outputs=out_meta, export_s=dt)
@@ -231,7 +295,9 @@ def _output_nodes(ep) -> list:
 
 def eager_callable(model: nn.Module, state: Any, engine_config: EngineConfig, spec: GraphSpec) -> Callable:
     """The step of `spec` run eagerly, with the shapes checked against the spec."""
-    step = ExportStep(model, state, engine_config, spec.variant, spec.sampling).make_step(state)
+    gmodel, gstate = graph_model_state(model, state, spec)
+    step = ExportStep(gmodel, gstate, engine_config, spec.variant, spec.sampling, spec.phase,
+                      spec.tokens).make_step(gstate)
     b, s, mb = spec.batch, spec.tokens, engine_config.table_blocks(spec.context)
 
     def run(*inputs: torch.Tensor):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from trnrt.config.engine_config import EngineConfig
-from trnrt.config.presets import compiler_options, graph_settings, preset_hash
+from trnrt.config.presets import compiler_options, graph_settings, phase_settings_hash, preset_hash
 
 from .backends import Backend, get_backend
 from .catalogue import expand
@@ -154,7 +154,8 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
             emit(Event(i, len(specs), gid, "hash"))
             fp = fingerprint(eg.program)
             entry.graph_hash = eg.graph_hash = fp.hash
-            fingerprint_cache.put(fingerprint_cache.key(phash, model, engine_config.variants, gid), fp)
+            fingerprint_cache.put(fingerprint_cache.key(phase_settings_hash(engine_config, spec.phase), model,
+                                                        engine_config.variants, gid), fp)
             prev = (old.entry(gid) if (old is not None and compatible) else None)
             if _reusable(prev, entry.graph_hash, art_dir, be):
                 entry = GraphEntry(**{**prev.__dict__, "reused": True, "export_s": entry.export_s})
@@ -209,8 +210,10 @@ def load_model_and_state(model_dir: str | Path | None, engine_config: EngineConf
 
     d = resolve_model_dir(model_dir)
     dtype = getattr(torch, engine_config.dtype)
-    model = load_model(d, dtype=dtype, device=device)
-    state = model.allocate_state(engine_config.num_blocks, engine_config.block_size, engine_config.num_slots)
+    spec = engine_config.speculative_num_steps > 0  # the draft graphs read the MTP layer and its stack
+    model = load_model(d, dtype=dtype, device=device, load_mtp=spec)
+    state = model.allocate_state(engine_config.num_blocks, engine_config.block_size, engine_config.num_slots,
+                                 mtp=spec)
     # (allocate_state follows the model's dtype and device)
     return model, state
 
@@ -231,8 +234,13 @@ def meta_model_and_state(engine_config: EngineConfig, model_config: Any = None, 
     dtype = getattr(torch, engine_config.dtype)
     from trnrt.models.glm5_next.weights import is_fp32_param
 
+    spec = engine_config.speculative_num_steps > 0
     with torch.device(device):
         model = Glm5NextForServing(cfg)
+        if spec:  # the MTP layer as the tiny checkpoint ships it (the target's embedding and head)
+            from trnrt.models.glm5_next.mtp import Glm5NextMTP
+
+            model.mtp = Glm5NextMTP(cfg)
         # The dtypes load_model gives: `dtype`, except the parameters transformers keeps in fp32.
         for name, p in model.named_parameters():
             p.data = p.data.to(torch.float32 if is_fp32_param(name) else dtype)
@@ -240,5 +248,5 @@ def meta_model_and_state(engine_config: EngineConfig, model_config: Any = None, 
         if hasattr(model, "prepare"):
             model.prepare()
     state = ModelState.allocate(cfg, engine_config.num_blocks, engine_config.block_size, engine_config.num_slots,
-                                dtype=dtype, device=device)
+                                dtype=dtype, device=device, mtp=spec)
     return model, state

@@ -32,6 +32,12 @@ class EngineConfig:
     block_size: tokens per page of the paged state; a multiple of the model's index_kpool.
     num_blocks / num_slots: sizes of the paged cache and the per-sequence slot pool, including the
     reserved scratch block 0 and slot 0 that padding rows write to.
+    speculative_num_steps: k > 0 adds the MTP speculative graphs (`verify`: the target over k + 1
+    tokens per decode row; `draft`: the MTP layer's k steps) per decode batch bucket and context;
+    0 (default): none. speculative_mode / speculative_min_accept_length are the serving defaults
+    such a preset starts `trnrt serve` with ("always": every eligible request speculates and the
+    grammar / penalty flags are refused; "dynamic": requests whose verifies emit fewer tokens than
+    the minimum fall back to the plain graphs). They shape no graph (graph_settings leaves them out).
     """
 
     dtype: str = "float32"
@@ -57,6 +63,9 @@ class EngineConfig:
     # hashable; read them with trnrt.config.presets.compiler_options(config, backend).
     tensor_parallel: int = 1
     compiler_args: tuple[tuple[str, str], ...] = ()
+    speculative_num_steps: int = 0
+    speculative_mode: str = ""  # "" (no speculative graphs), "always" or "dynamic"
+    speculative_min_accept_length: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -82,6 +91,18 @@ class EngineConfig:
                     f"({self.max_model_len}), got {list(buckets)}", field=name)
         object.__setattr__(self, "variants", tuple(self.variants))
         object.__setattr__(self, "compiler_args", tuple((str(b), str(a)) for b, a in self.compiler_args))
+        k = self.speculative_num_steps
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 8:
+            raise EngineConfigError(f"speculative_num_steps must be 0..8, got {k!r}", field="speculative_num_steps")
+        if (k > 0) != (self.speculative_mode in ("always", "dynamic")):
+            raise EngineConfigError(
+                "speculative_mode must be \"always\" or \"dynamic\" exactly when speculative_num_steps > 0, got "
+                f"{self.speculative_mode!r} with {k} steps", field="speculative_mode")
+        mal = self.speculative_min_accept_length
+        if not isinstance(mal, (int, float)) or isinstance(mal, bool) or not 0.0 <= mal <= k + 1:
+            raise EngineConfigError(f"speculative_min_accept_length must be 0..{k + 1}, got {mal!r}",
+                                    field="speculative_min_accept_length")
+        object.__setattr__(self, "speculative_min_accept_length", float(mal))
         if self.num_slots < 2:
             raise EngineConfigError("num_slots must be >= 2 (slot 0 is reserved scratch)", field="num_slots")
         if self.num_blocks < 2:

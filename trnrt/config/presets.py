@@ -36,7 +36,10 @@ BACKENDS = ("cpu", "cuda", "neuron", "eager")
 _INT_KEYS = ("block_size", "max_model_len", "max_top_logprobs", "tensor_parallel", "num_blocks", "num_slots")
 _BUCKET_KEYS = ("decode_batch_buckets", "prefill_token_buckets")
 _OPTIONAL_BUCKET_KEYS = ("decode_context_buckets", "prefill_context_buckets")
-_TOP_KEYS = ("dtype", *_INT_KEYS, *_BUCKET_KEYS, *_OPTIONAL_BUCKET_KEYS, "compiler")
+# MTP speculative decoding: the drafts per verify (graph-shaping) and the serving defaults a
+# preset starts with (mode "always" | "dynamic", the dynamic mode's minimum accept length).
+_SPEC_KEYS = ("speculative_num_steps", "speculative_mode", "speculative_min_accept_length")
+_TOP_KEYS = ("dtype", *_INT_KEYS, *_BUCKET_KEYS, *_OPTIONAL_BUCKET_KEYS, *_SPEC_KEYS, "compiler")
 _REQUIRED = ("dtype", "block_size", "max_model_len", "decode_batch_buckets", "prefill_token_buckets")
 # Per backend: "args" (command-line arguments of the backend compiler, e.g. neuronx-cc) and
 # "inductor" (torch._inductor config overrides, for cpu and cuda).
@@ -181,6 +184,11 @@ def parse_preset(raw: dict, name: str, path: Path) -> Preset:
             f"the largest prefill bucket ({raw['prefill_token_buckets'][-1]}) exceeds max_model_len ({raw['max_model_len']})",
             "prefill_token_buckets", path,
         )
+    if "speculative_num_steps" in raw:
+        _check_int(raw, "speculative_num_steps", path)
+    if "speculative_mode" in raw and raw["speculative_mode"] not in ("always", "dynamic"):
+        raise _err(f"speculative_mode must be \"always\" or \"dynamic\", got {raw['speculative_mode']!r}",
+                   "speculative_mode", path)
     max_batch = raw["decode_batch_buckets"][-1]
     # Defaults: enough slots for a full decode batch plus as many sequences being prefilled or
     # waiting with state, plus the scratch slot 0; enough blocks for every slot at max_model_len,
@@ -203,6 +211,9 @@ def parse_preset(raw: dict, name: str, path: Path) -> Preset:
             preset=name,
             tensor_parallel=raw.get("tensor_parallel", 1),
             compiler_args=_parse_compiler(raw.get("compiler", {}), path),
+            speculative_num_steps=raw.get("speculative_num_steps", 0),
+            speculative_mode=raw.get("speculative_mode", "always" if raw.get("speculative_num_steps") else ""),
+            speculative_min_accept_length=raw.get("speculative_min_accept_length", 0.0),
         )
     except PresetError:
         raise
@@ -233,7 +244,9 @@ def graph_settings(cfg: EngineConfig) -> dict:
 
     `preset` (a name) and `variants` (flags chosen at compile time) are left out: the manifest
     records the flags itself, and renaming a preset file does not change a graph.
-    `prefill_context_buckets` appears only when set, so the presets without it keep their hash.
+    `prefill_context_buckets` and `speculative_num_steps` appear only when set, so the presets
+    without them keep their hash. The speculative serving defaults (mode, minimum accept length)
+    shape no graph and are left out: mtp-always and mtp-dynamic hash the same.
     """
     out = {
         "dtype": cfg.dtype,
@@ -250,7 +263,21 @@ def graph_settings(cfg: EngineConfig) -> dict:
     }
     if cfg.prefill_context_buckets:
         out["prefill_context_buckets"] = list(cfg.prefill_context_buckets)
+    if cfg.speculative_num_steps:
+        out["speculative_num_steps"] = cfg.speculative_num_steps
     return out
+
+
+def phase_settings_hash(cfg: EngineConfig, phase: str) -> str:
+    """The preset hash a graph of `phase` depends on: preset_hash, except that a plain phase
+    (decode, prefill) leaves out speculative_num_steps, which only the verify / draft graphs read.
+    So an mtp preset's plain graphs share their fingerprint-cache entries with the preset it
+    extends (their graphs are the same graphs)."""
+    settings = graph_settings(cfg)
+    if phase in ("decode", "prefill"):
+        settings.pop("speculative_num_steps", None)
+    blob = json.dumps(settings, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
 
 
 def preset_hash(cfg: EngineConfig) -> str:

@@ -62,7 +62,7 @@ def fingerprints_for(preset: str, flags: Iterable[str] = (), dims: str = "tiny",
     from trnrt.compile.graph_hash import fingerprint
     from trnrt.compile.manifest import model_config_hash
     from trnrt.compile.pipeline import meta_model_and_state
-    from trnrt.config.presets import preset_hash, read_preset
+    from trnrt.config.presets import phase_settings_hash, preset_hash, read_preset
 
     p = read_preset(preset)
     flags = sorted(set(flags))
@@ -77,7 +77,7 @@ def fingerprints_for(preset: str, flags: Iterable[str] = (), dims: str = "tiny",
     psha, msha = preset_hash(p.engine_config), model_config_hash(mcfg)
     graphs = {}
     for i, spec in enumerate(specs):
-        k = fingerprint_cache.key(psha, mcfg, flags, spec.graph_id)
+        k = fingerprint_cache.key(phase_settings_hash(p.engine_config, spec.phase), mcfg, flags, spec.graph_id)
         fp = fingerprint_cache.get(k) if use_cache else None
         cached = fp is not None
         if fp is None:

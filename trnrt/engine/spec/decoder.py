@@ -10,13 +10,16 @@ Each row emits n + 1 tokens (its accepted drafts, then the correction or bonus t
 computed length L + n + 1 with its last emitted token not yet in the cache: exactly where plain
 decoding of the same tokens leaves a sequence. Groups of at most the largest decode bucket run
 together, padded to a decode bucket (padding rows: slot 0, block 0), with the block table cut to
-the decode context bucket holding L + k + 1 tokens; the verify shape is [bucket, k + 1].
+the decode context bucket holding L + k + 1 tokens; the verify shape is [bucket, k + 1] whatever
+the rows' draft counts (the catalogue's `verify` graph, compiled when the runner loaded it; rows
+with fewer drafts feed fewer tokens). The re-run of a partially accepted row runs the greedy
+verify graph of its shape (its outputs dropped: the same forward over the same tokens).
 
 Precondition per row (RowInput): token_ids = [the last sampled token], start_pos = L with
 L + k + 1 <= max_model_len, block_ids covering L + k + 1 tokens (pages.ensure_lookahead),
-request_id known to the drafter. Not here yet: the scheduler driving it (choosing k near the
-end, stops inside the emitted tokens), logprobs of emitted tokens, logits processors /
-penalties / grammars, compiled graphs.
+request_id known to the drafter. The scheduler picks each row's k (fewer near max_new_tokens /
+max_model_len) and applies stops inside the emitted tokens; requests needing logprobs, logits
+processors, penalties or grammars never come here (Engine.speculative_ok).
 """
 
 from __future__ import annotations
@@ -61,6 +64,14 @@ class SpecDecoder:
         self.snapshots = SlotSnapshots(runner, checkpoints)
         self.verify_fns = {g: VerifyFunction(runner.model, runner.state, greedy_only=g) for g in (False, True)}
         self.num_rollbacks = 0  # rows re-run (n < k), for tests and stats
+        self.num_graph_verifies = 0  # verifies that ran a compiled verify graph
+
+    def _graph(self, batch: int, context: int, greedy: bool):
+        """The runner's compiled verify graph of this shape, or None (run eagerly)."""
+        from trnrt.engine.step import GraphSpec
+
+        compiled = getattr(self.runner, "compiled", None) or {}
+        return compiled.get(GraphSpec("verify", batch, self.k + 1, "base", "greedy" if greedy else "full", context))
 
     # -- prefill ------------------------------------------------------------------------------
 
@@ -125,25 +136,37 @@ class SpecDecoder:
         batch = runner.cfg.decode_bucket(n_rows)
         context = runner.cfg.context_bucket(max(r.start_pos + k + 1 for r, k in zip(rows, ks)))
         greedy = all(r.temperature <= 0.0 for r in rows)
-        fn = self.verify_fns[greedy]
+        # Always k + 1 tokens a row (num_new = 1 + the row's drafts): the verify graph's shape,
+        # so the eager and the compiled step run the same computation.
+        width = self.k + 1
         ckpt = self.snapshots.save([r.slot_id for r in rows]) if K else []
         try:
             with torch.inference_mode():
-                inputs = runner._pack(vrows, batch, K + 1, context)
+                inputs = runner._pack(vrows, batch, width, context)
                 probs = None
-                if q_rows:  # the drafters' q [n_rows, K, V] (zero rows past a row's drafts)
+                if q_rows:  # the drafters' q [n_rows, k, V] (zero rows past a row's drafts)
                     any_q = next(iter(q_rows.values()))
-                    probs = any_q.new_zeros((batch, K) + tuple(any_q.shape[1:]))
+                    probs = any_q.new_zeros((batch, self.k) + tuple(any_q.shape[1:]))
                     for i, q in q_rows.items():
                         probs[i, : q.shape[0]] = q
-                token_ids, num_acc, hidden = fn(*inputs, draft_probs=probs)
+                compiled = None if probs is not None else self._graph(batch, context, greedy)
+                if compiled is not None:
+                    token_ids, num_acc, hidden = compiled(*inputs)
+                    self.num_graph_verifies += 1
+                else:
+                    token_ids, num_acc, hidden = self.verify_fns[greedy](*inputs, draft_probs=probs)
                 token_ids, num_acc = token_ids[:n_rows].tolist(), num_acc[:n_rows].tolist()
                 hidden = hidden[:n_rows]
                 partial = [i for i in range(n_rows) if num_acc[i] < ks[i]]
                 if partial:
                     self.snapshots.restore([ckpt[i] for i in partial], [rows[i].slot_id for i in partial])
                     again = [rerun_row(rows[i], drafts[i], num_acc[i]) for i in partial]
-                    fn.extend(*runner._pack(again, runner.cfg.decode_bucket(len(again)), K + 1, context))
+                    rb = runner.cfg.decode_bucket(len(again))
+                    rerun = self._graph(rb, context, True)  # the greedy verify graph writes the same state
+                    if rerun is not None:
+                        rerun(*runner._pack(again, rb, width, context))
+                    else:
+                        self.verify_fns[True].extend(*runner._pack(again, rb, width, context))
                     self.num_rollbacks += len(partial)
         finally:
             self.snapshots.release(ckpt)

@@ -43,7 +43,9 @@ class MTPDrafter(Drafter):
     """k steps of the model's MTP layer (`model.forward_mtp`, spec §6) over `state.mtp`.
 
     Per request it keeps the MTP's computed length M (positions 0..M-1 of the MTP cache hold
-    target hidden states and real tokens) and the observed positions not yet fed to it. `propose`:
+    target hidden states and real tokens) and the observed positions not yet fed to it. `propose`
+    runs the draft step (trnrt.engine.spec.draft_step, the catalogue's `draft` graph: compiled when
+    the runner loaded it, else the same module eagerly):
 
     1. catch-up: one MTP extend over each row's pending positions M .. L-1 (L = start_pos, the
        target's computed length: row L-1 reads the row's last token and h_{L-1}); its last row's
@@ -54,11 +56,13 @@ class MTPDrafter(Drafter):
        draft positions L.. are not verified yet. Their latent / pooled-key pages are positional
        and are rewritten by the next catch-up (which starts at L) before anything reads them.
 
+    The step takes at most k + 1 pending positions a row (what a verify leaves); after a prompt
+    more are pending, and an eager MTP extend over all but the last k + 1 runs first.
     So after every propose the MTP cache is consistent with the accepted tokens up to L-1. The
     layer runs its own indexer at every step (`index_share_for_mtp_iteration`, reusing step 0's
     top-k on later steps, is not implemented: it changes draft quality, not correctness).
     Padding: rows padded to the runner's decode bucket (slot 0, block 0), block tables cut to the
-    decode context bucket that holds L + k + 1 tokens. Eager only; no graph holds the MTP yet.
+    decode context bucket that holds L + k + 1 tokens.
     """
 
     def __init__(self, runner):
@@ -68,6 +72,8 @@ class MTPDrafter(Drafter):
         self.runner = runner
         self._computed: dict[str, int] = {}  # request -> MTP computed length M
         self._pending: dict[str, tuple[list[int], list[torch.Tensor]]] = {}  # next ids, hidden rows
+        self._eager: dict[int, torch.nn.Module] = {}  # k -> DraftFunction (no compiled graph of the shape)
+        self.num_graph_drafts = 0  # proposals that ran a compiled draft graph
 
     def observe(self, request_id: str, start_pos: int, next_ids: Sequence[int], hidden: torch.Tensor) -> None:
         ids, hid = self._pending.setdefault(request_id, ([], []))
@@ -106,7 +112,6 @@ class MTPDrafter(Drafter):
     def propose(self, rows: Sequence[RowInput], k: int) -> torch.Tensor:
         model, state = self.runner.model, self.runner.state
         n = len(rows)
-        D = model.config.hidden_size
         starts, ids, hids = [], [], []
         for r in rows:
             rid = r.request_id
@@ -121,28 +126,51 @@ class MTPDrafter(Drafter):
             ids.append(p_ids)
             hids.append(torch.cat(p_hid, 0))
         with torch.inference_mode():
-            # 1. catch-up extend over the pending positions
-            S = max(len(x) for x in ids)
-            batch = self._batch(rows, ids, starts, [len(x) for x in ids], S, k)
-            prev = torch.zeros(batch.input_ids.shape[0], S, D, dtype=hids[0].dtype, device=self.runner.device)
-            for i, h in enumerate(hids):
-                prev[i, : h.shape[0]] = h
-            out = model.forward_mtp(batch, prev, state)  # logits [B, V], hidden [B, D] at each row's last
-            drafts = [out.logits.argmax(-1)]  # [B]
-            h = out.hidden
-            # 2. k - 1 decode steps, the MTP's own tail saved and put back (3.)
-            slots = batch.slot_ids[:n]
-            saved = state.mtp.tail.index_select(1, slots) if k > 1 else None
-            for j in range(1, k):
-                step = self._batch(rows, [[0]] * n, [r.start_pos + j - 1 for r in rows], [1] * n, 1, k)
-                step.input_ids[:, 0] = drafts[-1]
-                step.input_ids[n:] = 0
-                out = model.forward_mtp(step, h, state)
-                drafts.append(out.logits.argmax(-1))
-                h = out.hidden
-            if saved is not None:
-                state.mtp.tail.index_copy_(1, slots, saved)
+            # 0. more than k + 1 positions pending (after a prompt): an eager MTP extend over all
+            #    but the last k + 1, so the rest fits the draft graph's shape
+            over = [i for i in range(n) if len(ids[i]) > k + 1]
+            if over:
+                cut = [len(ids[i]) - (k + 1) for i in over]
+                S = max(cut)
+                batch = self._batch([rows[i] for i in over], [ids[i][:c] for i, c in zip(over, cut)],
+                                    [starts[i] for i in over], cut, S, k)
+                prev = self._hidden([hids[i][:c] for i, c in zip(over, cut)], batch.input_ids.shape[0], S)
+                model.forward_mtp(batch, prev, state)
+                for i, c in zip(over, cut):
+                    starts[i] += c
+                    ids[i], hids[i] = ids[i][c:], hids[i][c:]
+            # 1.-3. the draft step (spec.draft_step): catch-up extend, k - 1 MTP decode steps, the
+            #    MTP's tail put back; the compiled `draft` graph of this shape when the runner has it
+            batch = self._batch(rows, ids, starts, [len(x) for x in ids], k + 1, k)
+            prev = self._hidden(hids, batch.input_ids.shape[0], k + 1)
+            fn = self._draft_fn(batch.input_ids.shape[0], k, batch.block_tables.shape[1])
+            (drafts,) = fn(batch.input_ids, batch.start_pos, batch.num_new, batch.block_tables, batch.slot_ids, prev)
         for r in rows:
             self._computed[r.request_id] = r.start_pos
             self._pending[r.request_id] = ([], [])
-        return torch.stack(drafts, 1)[:n].cpu()  # [B, k]
+        return drafts[:n].cpu()  # [n, k]
+
+    def _hidden(self, hids: list[torch.Tensor], batch: int, tokens: int) -> torch.Tensor:
+        """The rows' hidden states padded to [batch, tokens, D]."""
+        D = self.runner.model.config.hidden_size
+        prev = torch.zeros(batch, tokens, D, dtype=hids[0].dtype, device=self.runner.device)
+        for i, h in enumerate(hids):
+            prev[i, : h.shape[0]] = h
+        return prev
+
+    def _draft_fn(self, batch: int, k: int, table_blocks: int):
+        """The compiled draft graph of this shape, else the same step eagerly (one per k)."""
+        from trnrt.engine.spec.draft_step import DraftFunction, DraftModel
+        from trnrt.engine.step import GraphSpec
+
+        cfg = self.runner.cfg
+        context = table_blocks * cfg.block_size
+        context = context if context < cfg.max_model_len else 0
+        compiled = (getattr(self.runner, "compiled", None) or {}).get(
+            GraphSpec("draft", batch, k + 1, "base", "greedy", context))
+        if compiled is not None:
+            self.num_graph_drafts += 1
+            return compiled
+        if k not in self._eager:
+            self._eager[k] = DraftFunction(DraftModel(self.runner.model), self.runner.state.mtp, k)
+        return self._eager[k]
