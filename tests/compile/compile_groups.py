@@ -9,7 +9,9 @@ this file. By TRNRT_TEST_COMPILE:
   bench` runs), plus ONE graph of every (phase, variant) of the flag sets, the full sampler, from
   REPRESENTATIVE, leaving out a variant whose flags a larger variant of the same phase holds (the
   processors' superset variant's decode; the prompt-logprobs prefill, which carries the
-  processors' prefill path): 8 graphs. A variant's greedy twin, its other buckets and default's graphs differ
+  processors' prefill path), and one verify (full rule) and one draft graph of mtp-always (their
+  smallest decode bucket): 10 graphs. A variant's greedy twin, its other buckets and default's
+  graphs differ
   from a checked graph only in a sampler, a bucket size or the state sizes; graph-equiv pins
   their hashes, and the other modes compile them.
 - "buckets": every bucket of every preset (decode batch x context, prefill tokens x context)
@@ -17,7 +19,8 @@ this file. By TRNRT_TEST_COMPILE:
 - "every": every graph of every preset and flag set.
 - "variants": every variant graph of every preset and flag set, and no base graph (what
   test_compile_variants checks bucket by bucket; the base-graph tests skip).
-- "subset": three of batch8's graphs (FAST_SUBSET), for a quick local run.
+- "subset": three of batch8's graphs and mtp-always's smallest verify and draft (FAST_SUBSET), for
+  a quick local run.
 
 Graphs whose hashes are equal in the presets' lock files (the same graph in two presets) are one
 compile: they go to the same job, the first preset's is compiled and `trnrt compile` copies it
@@ -38,7 +41,8 @@ if MODE not in ("kinds", "buckets", "every", "subset", "variants"):
     raise ValueError(f"TRNRT_TEST_COMPILE must be kinds, buckets, every, variants or subset, got {MODE!r}")
 SUBSET = MODE == "subset"
 
-PRESETS = ("default", "batch8")
+PRESETS = ("default", "batch8", "mtp-always")  # mtp-always: default's graphs + verify / draft
+# (its plain graphs hash as default's, so they are copies; it takes no grammar / penalty flags)
 # Flag sets compiled, each in its own artifact directory (a manifest holds one flag set). The
 # base graphs of a flagged catalogue are the unflagged ones, so a flagged set adds only its variant
 # graphs: one per kind in "buckets". Add e.g. ("structured_outputs",) to compile its variants.
@@ -48,7 +52,8 @@ JOBS = 2  # parallel `trnrt compile` processes (CI has 2 cores)
 
 # The full sampler over the full block table, the greedy sampler over the short one (what a greedy
 # batch of short sequences runs, e.g. `trnrt bench`), and the smallest prefill graph.
-FAST_SUBSET = {"batch8": ["decode-b8-t1-base", "decode-b8-t1-c128-base-greedy", "prefill-b1-t32-base"]}
+FAST_SUBSET = {"batch8": ["decode-b8-t1-base", "decode-b8-t1-c128-base-greedy", "prefill-b1-t32-base"],
+               "mtp-always": ["verify-b1-t4-base", "draft-b1-t4-base-greedy"]}
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,10 @@ def catalogue() -> tuple[Graph, ...]:
             for gid, g in lock.items():
                 phase = gid.split("-")[0]
                 biggest[phase] = max(biggest.get(phase, 0), int(g.get("nodes", 0)))
-            for s in expand(load_preset(preset), flags):
+            cfg = load_preset(preset)
+            if flags and cfg.speculative_mode == "always" and set(flags) & {"penalties", "structured_outputs"}:
+                continue  # refused by such a preset (catalogue.check_speculative_flags)
+            for s in expand(cfg, flags):
                 if flags and s.variant == BASE_VARIANT:
                     continue  # compiled with the unflagged set
                 entry = lock.get(s.graph_id) if s.variant == BASE_VARIANT else None
@@ -133,9 +141,15 @@ def selected() -> tuple[Graph, ...]:
             of_kind = [g for g in graphs if (g.kind[0], g.kind[1]) == phase_variant and g.kind[2] == "full"]
             rep = [g for g in of_kind if g.preset == REPRESENTATIVE] or of_kind
             chosen.append(rep[0])
+        # the speculative phases (no variant): their smallest decode bucket, the full rule
+        for phase in ("verify", "draft"):
+            of_phase = [g for g in graphs if g.kind[0] == phase and not g.flags]
+            full = [g for g in of_phase if g.kind[2] == "full"] or of_phase
+            if full:
+                chosen.append(min(full, key=lambda g: (g.cost, g.id)))
         return tuple(g for g in graphs if g in chosen)
     # every bucket with the full sampler and the base variant, then one graph of every other kind
-    chosen = [g for g in graphs if g.kind[1:3] == (BASE_VARIANT, "full")]
+    chosen = [g for g in graphs if g.kind[1:3] == (BASE_VARIANT, "full") or g.kind[0] == "draft"]  # draft: one rule
     covered = {g.kind for g in chosen}
     for kind in sorted({g.kind for g in graphs} - covered):
         of_kind = [g for g in graphs if g.kind == kind]

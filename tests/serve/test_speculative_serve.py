@@ -50,6 +50,36 @@ def test_off_by_default(captured):  # noqa: F811
     assert captured["speculative"] is None
 
 
+@pytest.mark.parametrize("args,expected", [
+    (["--preset", "mtp-always"], (3, 0.0)),  # the preset alone turns it on, always
+    (["--preset", "mtp-dynamic"], (3, 1.5)),  # ... with its minimum accept length
+    (["--preset", "mtp-dynamic", "--speculative-min-accept-length", "2.5"], (3, 2.5)),
+    (["--preset", "mtp-dynamic", "--speculative-algorithm", "EAGLE"], (3, 1.5)),  # k from the preset
+    (["--preset", "mtp-always", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3"], (3, 0.0)),
+    (["--preset", "mtp-dynamic", "--penalties", "--structured-outputs"], (3, 1.5)),  # dynamic: plain steps
+])
+def test_mtp_presets_turn_speculation_on(captured, args, expected):  # noqa: F811
+    r = invoke(*args)
+    assert r.exit_code == 2 and "stop here" in r.output, r.output
+    spec = captured["speculative"]
+    assert (spec.algorithm, spec.num_steps, spec.min_accept_length) == ("NEXTN", *expected)
+
+
+@pytest.mark.parametrize("args,flag,text", [
+    (["--preset", "mtp-always", "--structured-outputs"], "--structured-outputs", "no grammar or penalty variant"),
+    (["--preset", "mtp-always", "--penalties"], "--penalties", "needs a dynamic preset"),
+    (["--preset", "mtp-dynamic", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"],
+     "--speculative-num-steps", "verifies 3 drafts a step"),
+    (["--preset", "mtp-always", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 4}'],
+     "--speculative-num-steps", "verifies 3 drafts a step"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_mtp_preset_usage_errors(captured, args, flag, text):  # noqa: F811
+    r = invoke(*args)
+    assert r.exit_code == 2, r.output
+    assert flag in r.output and text in " ".join(r.output.split()), r.output
+    assert not captured
+
+
 def test_a_speculative_server_answers_as_a_plain_one(tokenizer_factory):
     from trnrt.engine.engine import Engine
     from trnrt.engine.spec.config import SpeculativeConfig

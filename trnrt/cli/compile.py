@@ -85,7 +85,7 @@ def compile_cmd(
         raise typer.Exit(2)
 
     from trnrt.compile.backends import get_backend
-    from trnrt.compile.catalogue import UnknownVariantError, expand
+    from trnrt.compile.catalogue import SpeculativeFlagError, UnknownVariantError, expand
 
     ok, why = get_backend(backend).available()
     if not ok:
@@ -94,7 +94,7 @@ def compile_cmd(
     cfg = p.engine_config.replace(variants=tuple(flags))
     try:
         specs = expand(cfg, flags)
-    except UnknownVariantError as e:
+    except (UnknownVariantError, SpeculativeFlagError) as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2)
 

@@ -83,12 +83,28 @@ class ServeArgs:
     speculative_min_accept_length: float | None = None
 
     def speculative(self):
-        """The engine's SpeculativeConfig (None: off); raises SpeculativeConfigError naming the flag."""
-        from trnrt.engine.spec.config import resolve_speculative
+        """The engine's SpeculativeConfig (None: off), the preset's included (an mtp-* preset
+        turns it on: `preset_speculative`); raises SpeculativeConfigError naming the flag."""
+        import json
 
-        return resolve_speculative(self.speculative_algorithm, self.speculative_num_steps,
+        from trnrt.engine.spec.config import preset_speculative, resolve_speculative
+
+        ecfg = None if self.scripted else _preset_config(self.preset)
+        algorithm = self.speculative_algorithm
+        if algorithm is None and self.speculative_config is None and ecfg is not None and ecfg.speculative_num_steps:
+            algorithm = "NEXTN"  # the preset speculates: its flags need no --speculative-algorithm
+        spec = resolve_speculative(algorithm, self.speculative_num_steps,
                                    self.speculative_eagle_topk, self.speculative_num_draft_tokens,
                                    self.speculative_config, self.speculative_min_accept_length)
+        if ecfg is None:
+            return spec
+        try:
+            vllm_steps = "num_speculative_tokens" in json.loads(self.speculative_config or "{}")
+        except ValueError:
+            vllm_steps = False
+        steps_given = self.speculative_num_steps is not None or self.speculative_num_draft_tokens is not None or vllm_steps
+        return preset_speculative(spec, ecfg, num_steps_given=steps_given,
+                                  min_accept_given=self.speculative_min_accept_length is not None)
 
     @property
     def max_concurrent_requests(self) -> int:
@@ -169,6 +185,15 @@ def check_cache_and_scheduling(args: ServeArgs) -> None:
     if spec is not None and args.scripted:
         raise typer.BadParameter("speculative decoding needs the model (its MTP layer), not --scripted",
                                  param_hint="--speculative-algorithm")
+    from trnrt.engine.spec.config import SpeculativeFlagError, check_speculative_flags
+
+    ecfg = _preset_config(args.preset)
+    if ecfg is not None:
+        flags = [f for f, on in (("structured_outputs", args.structured_outputs), ("penalties", args.penalties)) if on]
+        try:
+            check_speculative_flags(ecfg, flags)
+        except SpeculativeFlagError as e:
+            raise typer.BadParameter(str(e), param_hint=e.field)
     if args.enable_priority_scheduling and args.schedule_policy not in PRIORITY_POLICIES:
         raise typer.BadParameter(PRIORITY_POLICY_MESSAGE, param_hint="--schedule-policy")
     if args.enable_hierarchical_cache and args.disable_radix_cache:
@@ -219,6 +244,16 @@ def _check_budget(args: ServeArgs) -> None:
         raise typer.BadParameter(
             f"{size} exceeds the preset's largest prefill graph ({ecfg.max_prefill_tokens} tokens; "
             f"prefill_token_buckets of preset {args.preset!r})", param_hint="--chunked-prefill-size")
+
+
+def _preset_config(preset: str):
+    """The preset's EngineConfig (None when it cannot be read: build_engine reports that)."""
+    try:
+        from trnrt.config.presets import load_preset
+
+        return load_preset(preset or "default")
+    except Exception:
+        return None
 
 
 def _preset_block_size(preset: str) -> int | None:

@@ -66,7 +66,7 @@ def graph_equiv_cmd(
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2)
 
-    from trnrt.compile.catalogue import UnknownVariantError
+    from trnrt.compile.catalogue import SpeculativeFlagError, UnknownVariantError, check_speculative_flags
     from trnrt.verify.graph_equiv import (
         compare_results, compare_to_lock, fingerprints_at_ref, fingerprints_for, read_lock, render, write_lock,
     )
@@ -77,8 +77,18 @@ def graph_equiv_cmd(
             how = "hashed earlier from this source tree (fingerprint cache)" if cached else "exported and hashed"
             err.print(f"  {_p.name}: {gid} ({i + 1}/{n}) {how}", highlight=False)
 
+        pflags = flags
         try:
-            result = fingerprints_for(str(p.path), flags, dims, only, on_graph=on_graph, use_cache=not fresh)
+            check_speculative_flags(p.engine_config, flags)
+        except SpeculativeFlagError as e:
+            if preset:  # named: the user asked for what it refuses
+                err.print(f"[red]error:[/red] {e}")
+                raise typer.Exit(2)
+            pflags = [f for f in flags if f not in ("structured_outputs", "penalties")]
+            err.print(f"  {p.name}: takes no grammar / penalty flags (speculative_mode always): checked with "
+                      f"{pflags or 'no flags'}", highlight=False)
+        try:
+            result = fingerprints_for(str(p.path), pflags, dims, only, on_graph=on_graph, use_cache=not fresh)
         except UnknownVariantError as e:
             err.print(f"[red]error:[/red] {e}")
             raise typer.Exit(2)
@@ -88,7 +98,7 @@ def graph_equiv_cmd(
         lock_path = against or p.lock_path
         if update_lock:
             old = read_lock(lock_path) if lock_path.is_file() else None
-            if flags:
+            if pflags:
                 # With a flag on, only the variant graphs are new: the base graphs must still
                 # hash as locked with the flags off, or the flag changed the default graphs.
                 if old is None:
@@ -101,12 +111,12 @@ def graph_equiv_cmd(
                     err.print("[red]error:[/red] with the flags on, base graphs differ from the flag-off lock: "
                               "not written")
                     raise typer.Exit(1)
-            changed = write_lock(lock_path, p.name, dims, result, old, replace=not only and not flags)
+            changed = write_lock(lock_path, p.name, dims, result, old, replace=not only and not pflags)
             console.print(f"wrote {lock_path} ({dims}): " + ("; ".join(changed) if changed else "no change"))
             continue
         if base_ref is not None:
             try:
-                ref = fingerprints_at_ref(base_ref, p.name, flags, dims, only)
+                ref = fingerprints_at_ref(base_ref, p.name, pflags, dims, only)
             except ValueError as e:
                 err.print(f"[red]error:[/red] {e}")
                 raise typer.Exit(2)
@@ -116,7 +126,7 @@ def graph_equiv_cmd(
                 err.print(f"[red]error:[/red] no lock file {lock_path} (create it with --update-lock)")
                 raise typer.Exit(2)
             rep = compare_to_lock(result, read_lock(lock_path), p.name, dims, str(lock_path),
-                                  complete=not only, flags=flags)
+                                  complete=not only, flags=pflags)
         render(rep, console)
         reports.append(rep)
     if json_out is not None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from trnrt.config.engine_config import EngineConfig
+from trnrt.engine.spec.config import SpeculativeFlagError, check_speculative_flags  # noqa: F401 (re-exported)
 from trnrt.engine.step import SAMPLERS, STEP_OUTPUT_NAMES, GraphSpec
 
 BASE_VARIANT = "base"
@@ -175,21 +176,6 @@ def speculative_specs(config: EngineConfig) -> list:
               for b in config.decode_batch_buckets for ctx in contexts]
     return specs
 
-
-class SpeculativeFlagError(ValueError):
-    """A flag a `speculative_mode = "always"` preset refuses (every request speculates, and the
-    speculative graphs have no grammar / penalty variant)."""
-
-
-def check_speculative_flags(config: EngineConfig, flags: Iterable[str]) -> None:
-    """Raise SpeculativeFlagError when an always-speculating preset gets a logits-processor flag."""
-    bad = sorted(processor_flags(frozenset(flags)))
-    if config.speculative_mode == "always" and bad:
-        opts = ", ".join("--" + f.replace("_", "-") for f in bad)
-        raise SpeculativeFlagError(
-            f"preset {config.preset!r} speculates on every request and its verify / draft graphs have no "
-            f"grammar or penalty variant: {opts} needs a dynamic preset (e.g. mtp-dynamic, whose such "
-            f"requests run plain steps) or a plain one")
 
 
 def spec_sort_key(spec) -> tuple:

@@ -416,9 +416,10 @@ class Engine:
         """Load the checkpoint (None: the embedded tiny model) and start the engine thread.
 
         speculative (trnrt.engine.spec.config; `trnrt serve --speculative-algorithm NEXTN`): load
-        the MTP layer and run speculative decode steps (eager) for the requests that allow them
-        (`Engine.speculative_ok`); drafter_factory(runner) -> Drafter replaces the MTP drafter
-        (tests: the oracle drafter).
+        the MTP layer and run speculative decode steps for the requests that allow them
+        (`Engine.speculative_ok`): the preset's verify / draft graphs when it has them (an mtp-*
+        preset, which turns speculation on by itself: `preset_speculative`), else eagerly;
+        drafter_factory(runner) -> Drafter replaces the MTP drafter (tests: the oracle drafter).
 
         structured_outputs: serve grammars (xgrammar; `trnrt serve --structured-outputs`): the
         engine config gets the "structured_outputs" variant flag, so compiled artifacts must
@@ -450,6 +451,11 @@ class Engine:
                                      compiled=compiled_loader is not None)
         ecfg = with_flag(with_structured_outputs(ecfg, structured_outputs), PENALTIES, penalties)
         ecfg = with_flag(ecfg, PROMPT_LOGPROBS, prompt_logprobs)
+        from trnrt.engine.spec.config import check_speculative_flags, preset_speculative
+
+        # an mtp-* preset turns speculation on by itself (its k; the dynamic preset's minimum)
+        speculative = preset_speculative(speculative, ecfg)
+        check_speculative_flags(ecfg, ecfg.variants)
         dtype = getattr(torch, ecfg.dtype)
         model = load_model(path, dtype=dtype, device=device, load_mtp=speculative is not None)
         mcfg = model.config

@@ -1,4 +1,4 @@
-"""Speculative decoding at the runner level (issue #18 part 2; eager, no scheduler yet).
+"""Speculative decoding: MTP drafts verified in one target pass (issue #18).
 
     rejection.py  the acceptance rule: greedy, and rejection sampling for sampled rows (pure torch)
     drafter.py    the Drafter interface and the MTP drafter (k steps of model.forward_mtp)
@@ -9,4 +9,7 @@
     pages.py      the k + 1 look-ahead tokens a verify writes into
     prefill.py    the runner's prefill, keeping every position's hidden state for the drafter
     decoder.py    SpecDecoder: draft -> snapshot -> verify -> rollback -> observe, per step
+    draft_step.py the `draft` graph: the MTP layer's k steps as one fixed-shape call
+    runner.py     SpecModelRunner: speculative rows through the decoder, the rest as ModelRunner
+    config.py     SpeculativeConfig, SGLang's / vLLM's flags, the mtp-* presets' defaults
 """

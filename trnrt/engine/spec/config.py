@@ -11,7 +11,8 @@ STANDALONE, NGRAM, a separate draft model) and tree drafting (top-k > 1) are ref
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Iterable
 
 #: Accepted algorithm names (upper-cased) -> what trnrt runs.
 ALGORITHMS = {"NEXTN": "NEXTN", "EAGLE": "NEXTN", "MTP": "NEXTN"}
@@ -105,3 +106,52 @@ def resolve_speculative(algorithm: str | None = None, num_steps: int | None = No
         raise SpeculativeConfigError(f"--speculative-min-accept-length must be 0..{num_steps + 1} (tokens per "
                                      f"verify), got {min_accept_length}", "--speculative-min-accept-length")
     return SpeculativeConfig(algorithm=algo, num_steps=num_steps, min_accept_length=mal)
+
+
+def preset_speculative(spec: SpeculativeConfig | None, engine_config, num_steps_given: bool = True,
+                       min_accept_given: bool = True) -> SpeculativeConfig | None:
+    """The speculative config of a run on `engine_config`'s preset.
+
+    A preset with speculative_num_steps k (mtp-always, mtp-dynamic) turns speculation on by
+    itself: with no flags, NEXTN with k drafts and the preset's minimum accept length (dynamic
+    mode; 0 = always). Flags refine it: the steps must be k (the verify graphs hold k + 1 tokens
+    a row; a different count is refused naming --speculative-num-steps), and a
+    --speculative-min-accept-length replaces the preset's. A preset without speculative graphs
+    leaves `spec` as it is (eager speculation beside its plain graphs). `*_given`: whether the
+    flags set the steps / the minimum (False: resolve_speculative's defaults stand in for them)."""
+    k = getattr(engine_config, "speculative_num_steps", 0)
+    if not k:
+        return spec
+    mal = engine_config.speculative_min_accept_length if engine_config.speculative_mode == "dynamic" else 0.0
+    if spec is None:
+        return SpeculativeConfig(num_steps=k, min_accept_length=mal)
+    if not num_steps_given:
+        spec = replace(spec, num_steps=k)
+    elif spec.num_steps != k:
+        raise SpeculativeConfigError(
+            f"--speculative-num-steps {spec.num_steps}: preset {engine_config.preset!r} verifies {k} drafts a step "
+            f"(its graphs take {k + 1} tokens a row); leave the flag out or pass {k}", "--speculative-num-steps")
+    if not min_accept_given:
+        spec = replace(spec, min_accept_length=mal)
+    return spec
+
+
+class SpeculativeFlagError(ValueError):
+    """A flag a `speculative_mode = "always"` preset refuses (every request speculates, and the
+    speculative graphs have no grammar / penalty variant); `field` names the flag."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_speculative_flags(engine_config, flags: Iterable[str]) -> None:
+    """Raise SpeculativeFlagError when an always-speculating preset gets a logits-processor flag
+    (--structured-outputs, --penalties); prompt logprobs (prefill only) are served."""
+    bad = sorted(set(flags) & {"structured_outputs", "penalties"})
+    if getattr(engine_config, "speculative_mode", "") == "always" and bad:
+        opts = ", ".join("--" + f.replace("_", "-") for f in bad)
+        raise SpeculativeFlagError(
+            f"preset {engine_config.preset!r} speculates on every request and its verify / draft graphs have no "
+            f"grammar or penalty variant: {opts} needs a dynamic preset (mtp-dynamic runs such requests on "
+            f"plain steps) or a plain one", "--" + bad[0].replace("_", "-"))
