@@ -22,6 +22,12 @@ from test_cli_cache_flags import captured, invoke  # noqa: F401  (the fixture)
     (["--speculative-config", '{"method": "eagle3"}'], "--speculative-config", "method \"mtp\""),
     (["--speculative-config", "{oops"], "--speculative-config", "not JSON"),
     (["--speculative-algorithm", "NEXTN", "--scripted"], "--speculative-algorithm", "not --scripted"),
+    (["--preset", "mtp-always", "--structured-outputs"], "--structured-outputs", "no grammar or penalty variant"),
+    (["--preset", "mtp-always", "--penalties"], "--penalties", "needs a dynamic preset"),
+    (["--preset", "mtp-dynamic", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"],
+     "--speculative-num-steps", "verifies 3 drafts a step"),
+    (["--preset", "mtp-always", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 4}'],
+     "--speculative-num-steps", "verifies 3 drafts a step"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_speculative_flags_are_usage_errors(captured, args, flag, text):  # noqa: F811
     r = invoke(*args)
@@ -63,54 +69,3 @@ def test_mtp_presets_turn_speculation_on(captured, args, expected):  # noqa: F81
     assert r.exit_code == 2 and "stop here" in r.output, r.output
     spec = captured["speculative"]
     assert (spec.algorithm, spec.num_steps, spec.min_accept_length) == ("NEXTN", *expected)
-
-
-@pytest.mark.parametrize("args,flag,text", [
-    (["--preset", "mtp-always", "--structured-outputs"], "--structured-outputs", "no grammar or penalty variant"),
-    (["--preset", "mtp-always", "--penalties"], "--penalties", "needs a dynamic preset"),
-    (["--preset", "mtp-dynamic", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"],
-     "--speculative-num-steps", "verifies 3 drafts a step"),
-    (["--preset", "mtp-always", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 4}'],
-     "--speculative-num-steps", "verifies 3 drafts a step"),
-], ids=lambda v: v if isinstance(v, str) else None)
-def test_mtp_preset_usage_errors(captured, args, flag, text):  # noqa: F811
-    r = invoke(*args)
-    assert r.exit_code == 2, r.output
-    assert flag in r.output and text in " ".join(r.output.split()), r.output
-    assert not captured
-
-
-def test_a_speculative_server_answers_as_a_plain_one(tokenizer_factory):
-    from trnrt.engine.engine import Engine
-    from trnrt.engine.spec.config import SpeculativeConfig
-    from trnrt.models.tiny import default_model_dir
-    from trnrt.serve import ServeSettings, hf_tokenizer_factory
-
-    texts = ["The weather in Paris is", "Once upon a time", "1, 2, 3, 4,"]
-    body = lambda t: {"text": t, "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
-    outs = {}
-    for name, spec in (("plain", None), ("spec", SpeculativeConfig(num_steps=2))):
-        engine = Engine.from_model_dir(default_model_dir(), max_running_requests=4, speculative=spec)
-        srv = start_server(engine, hf_tokenizer_factory(engine.model_info.model_path),
-                           ServeSettings(served_model_name="trnrt-tiny"))
-        try:
-            outs[name] = []
-            for t in texts:
-                status, data = srv.post("/generate", body(t))
-                assert status == 200, data
-                outs[name].append(data["output_ids"] if "output_ids" in data else data["text"])
-            status, info = srv.raw("GET", "/server_info")[:2]
-            stats = srv.stats()
-            if spec is None:
-                assert info["speculative_algorithm"] is None and info["internal_states"][0]["avg_spec_accept_length"] is None
-                assert stats["speculative"]["enabled"] is False
-            else:
-                assert (info["speculative_algorithm"], info["speculative_num_steps"],
-                        info["speculative_num_draft_tokens"]) == ("NEXTN", 2, 3), info
-                acc = info["internal_states"][0]["avg_spec_accept_length"]
-                assert acc is not None and 1.0 <= acc <= 3.0, acc
-                sp = stats["speculative"]
-                assert sp["enabled"] and sp["num_verifies"] > 0 and sp["num_verifies"] <= sp["num_draft_tokens"] <= 2 * sp["num_verifies"], sp  # fewer near max_new_tokens
-        finally:
-            stop_server(srv)
-    assert outs["spec"] == outs["plain"]
