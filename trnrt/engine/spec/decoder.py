@@ -67,11 +67,16 @@ class SpecDecoder:
         self.num_graph_verifies = 0  # verifies that ran a compiled verify graph
 
     def _graph(self, batch: int, context: int, greedy: bool):
-        """The runner's compiled verify graph of this shape, or None (run eagerly)."""
+        """The runner's compiled verify graph of this shape, or None (run eagerly). An all-greedy
+        batch takes the greedy rule's graph, or the full rule's where only that one was compiled
+        (the same tokens and state for greedy rows)."""
         from trnrt.engine.step import GraphSpec
 
         compiled = getattr(self.runner, "compiled", None) or {}
-        return compiled.get(GraphSpec("verify", batch, self.k + 1, "base", "greedy" if greedy else "full", context))
+        full = compiled.get(GraphSpec("verify", batch, self.k + 1, "base", "full", context))
+        if not greedy:
+            return full
+        return compiled.get(GraphSpec("verify", batch, self.k + 1, "base", "greedy", context)) or full
 
     # -- prefill ------------------------------------------------------------------------------
 
