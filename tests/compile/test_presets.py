@@ -88,6 +88,11 @@ def test_unknown_preset_lists_known():
         (GOOD + "[compiler.neuron]\nflags = []\n", "compiler.neuron.flags"),
         (GOOD + "[compiler.neuron]\nargs = \"-O1\"\n", "compiler.neuron.args"),
         (GOOD + "[compiler.neuron]\ninductor = {x = 1}\n", "compiler.neuron.inductor"),
+        (GOOD + "speculative_num_steps = 0\n", "speculative_num_steps"),
+        (GOOD + "speculative_num_steps = 9\n", "speculative_num_steps"),
+        (GOOD + "speculative_num_steps = 3\nspeculative_mode = \"sometimes\"\n", "speculative_mode"),
+        (GOOD + "speculative_mode = \"always\"\n", "speculative_mode"),  # a mode without steps
+        (GOOD + "speculative_num_steps = 2\nspeculative_min_accept_length = 4.0\n", "speculative_min_accept_length"),
     ],
 )
 def test_invalid_presets_name_the_field(tmp_path, text, field):
