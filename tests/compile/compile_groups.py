@@ -95,6 +95,7 @@ def catalogue() -> tuple[Graph, ...]:
     """Every graph of PRESETS x FLAG_SETS, in catalogue order (the base graphs once, unflagged)."""
     from trnrt.compile.catalogue import BASE_VARIANT, expand
     from trnrt.config.presets import load_preset
+    from trnrt.engine.spec.config import REFUSED_FLAGS
 
     out = []
     for flags in FLAG_SETS:
@@ -105,7 +106,7 @@ def catalogue() -> tuple[Graph, ...]:
                 phase = gid.split("-")[0]
                 biggest[phase] = max(biggest.get(phase, 0), int(g.get("nodes", 0)))
             cfg = load_preset(preset)
-            if flags and cfg.speculative_mode == "always" and set(flags) & {"penalties", "structured_outputs"}:
+            if flags and cfg.speculative_mode == "always" and set(flags) & set(REFUSED_FLAGS):
                 continue  # refused by such a preset (catalogue.check_speculative_flags)
             for s in expand(cfg, flags):
                 if flags and s.variant == BASE_VARIANT:

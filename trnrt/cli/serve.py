@@ -185,13 +185,12 @@ def check_cache_and_scheduling(args: ServeArgs) -> None:
     if spec is not None and args.scripted:
         raise typer.BadParameter("speculative decoding needs the model (its MTP layer), not --scripted",
                                  param_hint="--speculative-algorithm")
-    from trnrt.engine.spec.config import SpeculativeFlagError, check_speculative_flags
+    from trnrt.engine.spec.config import REFUSED_FLAGS, SpeculativeFlagError, check_speculative_flags
 
     ecfg = _preset_config(args.preset)
     if ecfg is not None:
-        flags = [f for f, on in (("structured_outputs", args.structured_outputs), ("penalties", args.penalties)) if on]
         try:
-            check_speculative_flags(ecfg, flags)
+            check_speculative_flags(ecfg, [f for f in REFUSED_FLAGS if getattr(args, f)])
         except SpeculativeFlagError as e:
             raise typer.BadParameter(str(e), param_hint=e.field)
     if args.enable_priority_scheduling and args.schedule_policy not in PRIORITY_POLICIES:

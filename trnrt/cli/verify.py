@@ -67,6 +67,7 @@ def graph_equiv_cmd(
         raise typer.Exit(2)
 
     from trnrt.compile.catalogue import SpeculativeFlagError, UnknownVariantError, check_speculative_flags
+    from trnrt.engine.spec.config import REFUSED_FLAGS
     from trnrt.verify.graph_equiv import (
         compare_results, compare_to_lock, fingerprints_at_ref, fingerprints_for, read_lock, render, write_lock,
     )
@@ -84,7 +85,7 @@ def graph_equiv_cmd(
             if preset:  # named: the user asked for what it refuses
                 err.print(f"[red]error:[/red] {e}")
                 raise typer.Exit(2)
-            pflags = [f for f in flags if f not in ("structured_outputs", "penalties")]
+            pflags = [f for f in flags if f not in REFUSED_FLAGS]
             err.print(f"  {p.name}: takes no grammar / penalty flags (speculative_mode always): checked with "
                       f"{pflags or 'no flags'}", highlight=False)
         try:

@@ -151,7 +151,7 @@ def base_specs(config: EngineConfig) -> list:
     all-greedy batch runs: no vocabulary sort); prefill: 1 sequence x token bucket, full sampler
     (it samples one token per prompt, so a greedy twin would not pay for its compile time), over
     the full table and each prefill context bucket."""
-    contexts = [c if c < config.max_model_len else 0 for c in config.context_buckets]
+    contexts = _decode_contexts(config)
     specs = [GraphSpec("decode", b, 1, BASE_VARIANT, sampling, ctx)
              for b in config.decode_batch_buckets for ctx in contexts for sampling in SAMPLERS]
     # prefill: each token bucket over the full table, and over every prefill context bucket that
@@ -169,13 +169,17 @@ def speculative_specs(config: EngineConfig) -> list:
     k = config.speculative_num_steps
     if not k:
         return []
-    contexts = [c if c < config.max_model_len else 0 for c in config.context_buckets]
+    contexts = _decode_contexts(config)
     specs = [GraphSpec("verify", b, k + 1, BASE_VARIANT, sampling, ctx)
              for b in config.decode_batch_buckets for ctx in contexts for sampling in SAMPLERS]
     specs += [GraphSpec("draft", b, k + 1, BASE_VARIANT, "greedy", ctx)
               for b in config.decode_batch_buckets for ctx in contexts]
     return specs
 
+
+def _decode_contexts(config: EngineConfig) -> list[int]:
+    """The decode-shaped graphs' contexts: each decode context bucket, then 0 (the full table)."""
+    return [c if c < config.max_model_len else 0 for c in config.context_buckets]
 
 
 def spec_sort_key(spec) -> tuple:

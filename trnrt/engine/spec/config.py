@@ -136,6 +136,10 @@ def preset_speculative(spec: SpeculativeConfig | None, engine_config, num_steps_
     return spec
 
 
+#: The flags an always-speculating preset refuses: logits processors the verify / draft graphs lack.
+REFUSED_FLAGS = ("penalties", "structured_outputs")
+
+
 class SpeculativeFlagError(ValueError):
     """A flag a `speculative_mode = "always"` preset refuses (every request speculates, and the
     speculative graphs have no grammar / penalty variant); `field` names the flag."""
@@ -148,7 +152,7 @@ class SpeculativeFlagError(ValueError):
 def check_speculative_flags(engine_config, flags: Iterable[str]) -> None:
     """Raise SpeculativeFlagError when an always-speculating preset gets a logits-processor flag
     (--structured-outputs, --penalties); prompt logprobs (prefill only) are served."""
-    bad = sorted(set(flags) & {"structured_outputs", "penalties"})
+    bad = sorted(set(flags) & set(REFUSED_FLAGS))
     if getattr(engine_config, "speculative_mode", "") == "always" and bad:
         opts = ", ".join("--" + f.replace("_", "-") for f in bad)
         raise SpeculativeFlagError(

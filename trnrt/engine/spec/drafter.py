@@ -143,7 +143,8 @@ class MTPDrafter(Drafter):
             #    MTP's tail put back; the compiled `draft` graph of this shape when the runner has it
             batch = self._batch(rows, ids, starts, [len(x) for x in ids], k + 1, k)
             prev = self._hidden(hids, batch.input_ids.shape[0], k + 1)
-            fn = self._draft_fn(batch.input_ids.shape[0], k, batch.block_tables.shape[1])
+            context = self.runner.cfg.context_bucket(max(r.start_pos + k + 1 for r in rows))  # as _batch's table
+            fn = self._draft_fn(batch.input_ids.shape[0], k, context)
             (drafts,) = fn(batch.input_ids, batch.start_pos, batch.num_new, batch.block_tables, batch.slot_ids, prev)
         for r in rows:
             self._computed[r.request_id] = r.start_pos
@@ -158,14 +159,11 @@ class MTPDrafter(Drafter):
             prev[i, : h.shape[0]] = h
         return prev
 
-    def _draft_fn(self, batch: int, k: int, table_blocks: int):
+    def _draft_fn(self, batch: int, k: int, context: int):
         """The compiled draft graph of this shape, else the same step eagerly (one per k)."""
         from trnrt.engine.spec.draft_step import DraftFunction, DraftModel
         from trnrt.engine.step import GraphSpec
 
-        cfg = self.runner.cfg
-        context = table_blocks * cfg.block_size
-        context = context if context < cfg.max_model_len else 0
         compiled = (getattr(self.runner, "compiled", None) or {}).get(
             GraphSpec("draft", batch, k + 1, "base", "greedy", context))
         if compiled is not None:
