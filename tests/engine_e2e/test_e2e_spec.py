@@ -3,9 +3,12 @@ token, with the test-only oracle drafter forcing full, partial and zero acceptan
 positions, batched, queued, preempted and with aborts mid-speculation; the MTP drafter of the
 tiny checkpoint; requests the verify cannot serve run plain beside speculative ones; nothing leaks.
 
-The plain reference is `small_engine` (its greedy output is held to transformers by
-test_e2e_parity); the speculative engine has the same cache and scheduler sizes, so it queues and
-preempts too (its look-ahead pages make it preempt more).
+The oracle tests run on every `mtp-*` preset's own engine config (its k, its speculative mode and
+minimum, its buckets) against the `default` preset's engine (whose greedy output is held to
+transformers' here), both with the same small cache, so they queue and preempt (the speculative
+engine's look-ahead pages make it preempt more). The cache size is not a graph-shaping difference
+between the two (it is the same override on both), and the compiled verify / draft graphs of
+mtp-always are held to these eager steps by tests/compile/test_compile_spec.py.
 """
 
 from __future__ import annotations
@@ -22,6 +25,15 @@ N_OUT = 24
 V = 4096
 
 
+def _mtp_presets() -> list[str]:
+    from trnrt.config.presets import list_presets, load_preset
+
+    return [p for p in list_presets() if load_preset(p).speculative_num_steps]
+
+
+MTP_PRESETS = _mtp_presets()
+
+
 def _configs():
     from trnrt.config import EngineConfig
     from trnrt.engine.scheduler import SchedulerConfig
@@ -32,25 +44,69 @@ def _configs():
     return ecfg, scfg
 
 
-@pytest.fixture(scope="module")
-def reference(small_engine, random_prompts):
-    """rid -> prompt + greedy output (N_OUT tokens) of plain decoding."""
-    return {f"r{i}": list(p) + greedy(small_engine, p, N_OUT) for i, p in enumerate(random_prompts)}
+def _preset_configs(preset: str):
+    """`preset`'s engine config with small_engine's cache (4 running sequences of up to 256 tokens
+    in 20 usable pages: they preempt) and scheduler."""
+    from trnrt.config.presets import load_preset
+
+    ecfg, scfg = _configs()
+    cfg = load_preset(preset).replace(max_model_len=ecfg.max_model_len, num_blocks=ecfg.num_blocks,
+                                      num_slots=ecfg.num_slots)
+    return cfg, scfg
+
+
+def test_every_mtp_preset_is_tested():
+    assert {"mtp-always", "mtp-dynamic"} <= set(MTP_PRESETS), MTP_PRESETS
 
 
 @pytest.fixture(scope="module")
-def oracle_engine(model_dir):
+def reference(model_dir, hf_model, random_prompts):
+    """rid -> prompt + greedy output (N_OUT tokens) of the `default` preset's engine, which equals
+    transformers' greedy generate for every prompt."""
+    from test_e2e_parity import hf_greedy
+
     from trnrt.engine.engine import Engine
-    from trnrt.engine.spec.config import SpeculativeConfig
+
+    ecfg, scfg = _preset_configs("default")
+    engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg)
+    try:
+        streams = [_submit(engine, f"r{i}", p, max_new_tokens=N_OUT) for i, p in enumerate(random_prompts)]
+        outs = [collect(s, timeout=300) for s in streams]
+    finally:
+        engine.shutdown()
+    ref = {}
+    for i, (p, o) in enumerate(zip(random_prompts, outs)):
+        assert o.error is None and len(o.output_ids) == N_OUT, o
+        assert o.output_ids == hf_greedy(hf_model, p, N_OUT), f"default preset != transformers on prompt {i}"
+        ref[f"r{i}"] = list(p) + o.output_ids
+    return ref
+
+
+_ENGINES: dict = {}
+
+
+@pytest.fixture(scope="module")
+def oracle_engines(model_dir):
+    """preset -> an engine on that mtp-* preset's config with the oracle drafter (made on first use,
+    shut down at the end of the module)."""
+    from trnrt.engine.engine import Engine
     from trnrt.engine.spec.oracle import OracleDrafter
 
-    oracle = OracleDrafter({}, V)
-    ecfg, scfg = _configs()
-    engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg,
-                                   speculative=SpeculativeConfig(num_steps=K), drafter_factory=lambda runner: oracle)
-    engine.oracle = oracle
-    yield engine
-    engine.shutdown()
+    def get(preset: str):
+        if preset not in _ENGINES:
+            oracle = OracleDrafter({}, V)
+            ecfg, scfg = _preset_configs(preset)
+            engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg,
+                                           drafter_factory=lambda runner: oracle)
+            assert engine.speculative_config is not None, f"{preset} did not turn speculation on"
+            engine.oracle = oracle
+            _ENGINES[preset] = engine
+        return _ENGINES[preset]
+
+    yield get
+    for engine in _ENGINES.values():
+        engine.shutdown()
+    _ENGINES.clear()
 
 
 def _record_verifies(engine):
@@ -83,8 +139,17 @@ def _submit(engine, rid, ids, **params):
                                          request_id=rid))
 
 
-def test_greedy_equals_plain_with_full_partial_and_zero_acceptance(oracle_engine, reference, random_prompts):
-    engine, oracle = oracle_engine, oracle_engine.oracle
+@pytest.mark.parametrize("preset", MTP_PRESETS)
+def test_greedy_equals_default_with_full_partial_and_zero_acceptance(preset, oracle_engines, reference,
+                                                                     random_prompts):
+    """16 prompts, batched behind max_num_seqs and preempted: every request's greedy output is the
+    default preset's (transformers'), every verify accepted exactly the drafts the oracle's
+    corruption allows, and all of full, partial and zero acceptance happened."""
+    engine = oracle_engines(preset)
+    oracle, spec = engine.oracle, engine.speculative_config
+    K = spec.num_steps
+    dynamic = spec.min_accept_length > 0
+    fallbacks_before = engine.num_spec_fallbacks
     oracle.sequences = dict(reference)
     corrupt = {}
     for i, p in enumerate(random_prompts):
@@ -113,21 +178,36 @@ def test_greedy_equals_plain_with_full_partial_and_zero_acceptance(oracle_engine
         assert n == oracle.expected_accepted(rid, L, k), (rid, L, k, n)
     acc = {}
     for rid, _, k, n in log:
-        a = acc.setdefault(rid, [0, 0])
-        a[0] += k
-        a[1] += n
-    full = [f"r{i}" for i in range(0, 16, 4) if len(random_prompts[i]) + N_OUT < 256]
-    assert all(acc[r][1] == acc[r][0] > 0 for r in full if r in acc), acc  # nothing corrupted: all accepted
-    assert all(acc[f"r{i}"][1] == 0 for i in range(1, 16, 4)), acc
-    assert any(0 < acc[f"r{i}"][1] < acc[f"r{i}"][0] for i in range(2, 16, 4)), acc
-    # fewer steps than tokens: the full-acceptance requests emitted up to K + 1 tokens per step
-    assert max(n for _, _, _, n in log) == K
+        if k:
+            a = acc.setdefault(rid, [0, 0, 0])  # drafts, accepted, verifies
+            a[0] += k
+            a[1] += n
+            a[2] += 1
+    # full, partial and zero acceptance all happened (verify by verify)
+    assert any(k and n == k == K for _, _, k, n in log), "no verify accepted every draft"
+    assert any(k and 0 < n < k for _, _, k, n in log), "no verify accepted some drafts only"
+    assert any(k and n == 0 for _, _, k, n in log), "no verify rejected every draft"
+    full = [f"r{i}" for i in range(0, 16, 4)]
+    zero = [f"r{i}" for i in range(1, 16, 4)]
+    assert all(acc[r][1] == acc[r][0] for r in full if r in acc), acc  # nothing corrupted: all accepted
+    assert all(acc[r][1] == 0 for r in zero if r in acc), acc
+    assert any(0 < acc[f"r{i}"][1] < acc[f"r{i}"][0] for i in range(2, 16, 4) if f"r{i}" in acc), acc
+    if not dynamic:  # always: every request speculated on every decode step
+        assert set(acc) == set(reference), sorted(set(reference) - set(acc))
+    else:
+        # dynamic: a zero-acceptance request stops speculating after its probe verifies (it goes on
+        # with plain steps), a fully accepted one keeps speculating past them
+        assert any(r in acc for r in zero) and engine.num_spec_fallbacks > fallbacks_before
+        assert all(acc[r][2] <= spec.probe_verifies for r in zero if r in acc), acc
+        assert any(acc[r][2] > spec.probe_verifies for r in full if r in acc), acc
     assert engine.scheduler.num_preemptions_total > before, "no preemption happened: shrink the cache"
     _assert_clean(engine)
 
 
-def test_aborts_mid_speculation_free_everything(oracle_engine, reference, random_prompts):
-    engine, oracle = oracle_engine, oracle_engine.oracle
+@pytest.mark.parametrize("preset", MTP_PRESETS)
+def test_aborts_mid_speculation_free_everything(preset, oracle_engines, reference, random_prompts):
+    engine = oracle_engines(preset)
+    oracle = engine.oracle
     oracle.sequences = dict(reference)
     oracle.corrupt = {}
     oracle.check = False  # past the recorded run the drafts are token 0 (rejected): still correct
@@ -153,8 +233,9 @@ def test_aborts_mid_speculation_free_everything(oracle_engine, reference, random
     _assert_clean(engine)
 
 
-def test_requests_the_verify_cannot_serve_run_plain_beside_it(oracle_engine, reference, random_prompts):
-    engine, oracle = oracle_engine, oracle_engine.oracle
+def test_requests_the_verify_cannot_serve_run_plain_beside_it(oracle_engines, reference, random_prompts):
+    engine = oracle_engines("mtp-always")
+    oracle = engine.oracle
     oracle.sequences = dict(reference)
     oracle.corrupt = {}
     seen = []
