@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from e2e_helpers import collect, greedy
+from e2e_helpers import collect
 from trnrt.engine.request import GenerateRequest, SamplingParams
 
 K = 3
@@ -82,9 +82,6 @@ def reference(model_dir, hf_model, random_prompts):
     return ref
 
 
-_ENGINES: dict = {}
-
-
 @pytest.fixture(scope="module")
 def oracle_engines(model_dir):
     """preset -> an engine on that mtp-* preset's config with the oracle drafter (made on first use,
@@ -92,21 +89,22 @@ def oracle_engines(model_dir):
     from trnrt.engine.engine import Engine
     from trnrt.engine.spec.oracle import OracleDrafter
 
+    engines: dict = {}
+
     def get(preset: str):
-        if preset not in _ENGINES:
+        if preset not in engines:
             oracle = OracleDrafter({}, V)
             ecfg, scfg = _preset_configs(preset)
             engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg,
                                            drafter_factory=lambda runner: oracle)
             assert engine.speculative_config is not None, f"{preset} did not turn speculation on"
             engine.oracle = oracle
-            _ENGINES[preset] = engine
-        return _ENGINES[preset]
+            engines[preset] = engine
+        return engines[preset]
 
     yield get
-    for engine in _ENGINES.values():
+    for engine in engines.values():
         engine.shutdown()
-    _ENGINES.clear()
 
 
 def _record_verifies(engine):
