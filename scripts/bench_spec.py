@@ -1,14 +1,25 @@
-"""Speculative decoding benchmark: output tokens per second of the engine with speculative decode
-steps (the oracle drafter at a chosen acceptance rate) against plain decoding, same run, same
-prompts, batch 1 and 8, greedy, on the embedded tiny checkpoint (eager, both sides).
+"""Speculative decoding benchmark: output tokens per second of the `mtp-always` and `mtp-dynamic`
+presets (the oracle drafter at a chosen acceptance rate) against the `default` preset, same run,
+same prompts, batch 1 and 8, greedy, on the embedded tiny checkpoint; eager, or the compiled
+graphs of `trnrt compile` with --compiled.
 
-The oracle drafter replays each request's plain greedy output (recorded first) and corrupts a
-chosen share of the draft positions, so the acceptance rate is set by the script: 100 % (nothing
-corrupted), 50 % (every other position) and 0 % (every position). It drafts for free, so the
-numbers bound what a drafter of that acceptance rate can give; the MTP drafter's own cost is
-measured as a separate row (its random tiny layer accepts ~0 %).
+The oracle drafter (test-only) replays each request's greedy output (recorded first with
+`default`) and corrupts a chosen share of the draft positions, so the script sets the acceptance
+rate: 100 % (nothing corrupted), ~34 % (every other position) and 0 % (every position). It drafts
+for free, so the rows bound what a drafter of that acceptance gives; the MTP drafter's own cost
+is a separate row (the random tiny MTP layer accepts ~0 %). Every speculative output is checked
+equal to `default`'s.
 
-    python scripts/bench_spec.py [--k 3] [--new 64] [--rounds 2] [--threads 1]
+Each round runs every configuration once, interleaved, so a slow moment of the box hits all of
+them alike; the engines live across rounds (as a server does), so the first round of
+`mtp-dynamic` includes what it pays to learn that drafts fail, and the later ones its steady
+state. The table prints every round and the best.
+
+    python scripts/bench_spec.py [--new 128] [--rounds 3] [--compiled DIR]
+
+--compiled DIR: DIR as written by `trnrt compile --out DIR` for `mtp-dynamic` and for `default`
+(the same plain graphs: the second compile copies them); graphs it lacks (e.g. the batch-32
+ones) run eagerly. `mtp-always` runs `mtp-dynamic`'s graphs (the two presets have the same).
 """
 
 from __future__ import annotations
@@ -18,18 +29,39 @@ import random
 import time
 
 
-def _engine(k: int | None, drafter=None, batch: int = 8, min_accept: float = 0.0):
+def _loader(directory: str | None, preset_dir: str | None = None):
+    if directory is None:
+        return None
+    from pathlib import Path
+
+    from trnrt.compile import load_compiled
+    from trnrt.compile.catalogue import expand
+    from trnrt.compile.loader import find_manifest_dir
+    from trnrt.compile.manifest import Manifest
+
+    def load(model, state, engine_config):
+        d = Path(directory) / preset_dir / "cpu" if preset_dir else find_manifest_dir(directory, engine_config)
+        have = {e.id for e in Manifest.read(d).graphs if e.status in ("ok", "load-time")}
+        specs = [s for s in expand(engine_config) if s.graph_id in have]
+        return load_compiled(d, model, state, engine_config, specs=specs)
+
+    return load
+
+
+def _engine(preset: str, drafter=None, compiled: str | None = None, min_accept: float | None = None):
     from trnrt.engine.engine import Engine
     from trnrt.engine.spec.config import SpeculativeConfig
 
     kw = {}
-    if k is not None:
-        kw = dict(speculative=SpeculativeConfig(num_steps=k, min_accept_length=min_accept),
-                  drafter_factory=(lambda runner: drafter) if drafter is not None else None)
-    return Engine.from_model_dir(None, max_running_requests=batch, **kw)
+    if drafter is not None:
+        kw["drafter_factory"] = lambda runner: drafter
+    if min_accept is not None:
+        kw["speculative"] = SpeculativeConfig(num_steps=3, min_accept_length=min_accept)
+    graphs = "mtp-dynamic" if preset == "mtp-always" else None
+    return Engine.from_model_dir(None, preset=preset, compiled_loader=_loader(compiled, graphs), **kw)
 
 
-def _run(engine, prompts, new: int, batch: int) -> tuple[float, dict]:
+def _run(engine, prompts, new: int, batch: int, tag: str) -> tuple[float, dict]:
     from trnrt.engine.request import GenerateRequest, SamplingParams
 
     outs = {}
@@ -41,6 +73,8 @@ def _run(engine, prompts, new: int, batch: int) -> tuple[float, dict]:
         for s in engine.submit_many(reqs):
             ids = []
             for o in s:
+                if o.error:
+                    raise RuntimeError(f"{tag}: {o.error}")
                 ids.extend(o.new_token_ids)
             outs[s.request_id] = ids
     dt = time.perf_counter() - t0
@@ -49,12 +83,12 @@ def _run(engine, prompts, new: int, batch: int) -> tuple[float, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--new", type=int, default=128, help="new tokens per request")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dynamic", type=float, default=2.5,
-                    help="min tokens per verify of the dynamic rows (--speculative-min-accept-length)")
+    ap.add_argument("--compiled", default=None, metavar="DIR", help="run the compiled graphs under DIR")
+    ap.add_argument("--min-accept-length", type=float, default=None,
+                    help="override mtp-dynamic's speculative_min_accept_length")
     a = ap.parse_args()
 
     import torch
@@ -63,48 +97,56 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     rng = random.Random(0)
-    prompts = [[rng.randrange(10, 4000) for _ in range(rng.randrange(16, 64))] for _ in range(16)]
-    plain = _engine(None)
-    _run(plain, prompts[:2], 4, 8)  # warm-up
-    _, ref = _run(plain, prompts, a.new, 8)
+    prompts = [[rng.randrange(10, 1000) for _ in range(rng.randrange(16, 64))] for _ in range(16)]
+    plain = _engine("default", compiled=a.compiled)
+    _run(plain, prompts[:2], 4, 8, "warm-up")
+    _, ref = _run(plain, prompts, a.new, 8, "default")
     recorded = {rid: prompts[int(rid[1:])] + out for rid, out in ref.items()}
-    # Every configuration's engine is built first; each round then runs every configuration once,
-    # interleaved, so a slow moment of the box hits all of them alike (best round per config).
-    configs = [("plain", None)]
+    k, vocab = 3, plain.model_info.vocab_size
+    configs = [("default", None)]
     for rate in (1.0, 0.5, 0.0):
-        corrupt = {}
-        for rid, seq in recorded.items():
-            L = len(prompts[int(rid[1:])])
-            step = {1.0: 0, 0.5: 2, 0.0: 1}[rate]
-            corrupt[rid] = set(range(L, len(seq) + a.k + 2, step)) if step else set()
-        for mode, min_accept in (("always", 0.0), ("dynamic", a.dynamic)):
-            oracle = OracleDrafter(recorded, 4096, corrupt, check=False)
-            configs.append((f"{mode} {int(rate * 100)}%", _engine(a.k, oracle, batch=8, min_accept=min_accept)))
-    configs.append(("MTP drafter", _engine(a.k, None, batch=8)))
+        step = {1.0: 0, 0.5: 2, 0.0: 1}[rate]
+        corrupt = {rid: set(range(len(prompts[int(rid[1:])]), len(seq) + k + 2, step)) if step else set()
+                   for rid, seq in recorded.items()}
+        for preset in ("mtp-always", "mtp-dynamic"):
+            oracle = OracleDrafter(recorded, vocab, corrupt, check=False)
+            mal = a.min_accept_length if preset == "mtp-dynamic" else None
+            configs.append((f"{preset} {int(rate * 100)}%", _engine(preset, oracle, a.compiled, mal)))
+    configs.append(("mtp-always, MTP drafter", _engine("mtp-always", None, a.compiled)))
+    configs.append(("mtp-dynamic, MTP drafter", _engine("mtp-dynamic", None, a.compiled, a.min_accept_length)))
+    for name, eng in configs:
+        e = eng or plain
+        print(f"{name}: {'compiled' if e.model_info.compiled else 'eager'}, "
+              f"{len(getattr(e.runner, 'compiled', {}) or {})} graphs", flush=True)
     rows = []
     for batch in (1, 8):
-        best: dict[str, float] = {}
-        for _ in range(a.rounds):
+        runs: dict[str, list[float]] = {}
+        for rnd in range(a.rounds):
             for name, eng in configs:
-                tps, outs = _run(eng or plain, prompts[: 2 * batch], a.new, batch)
-                if name != "MTP drafter":
-                    assert all(outs[r] == ref[r] for r in outs), f"{name}: output differs from plain decoding"
-                best[name] = max(best.get(name, 0.0), tps)
+                tps, outs = _run(eng or plain, prompts[: 2 * batch], a.new, batch, name)
+                if "MTP drafter" not in name:
+                    assert all(outs[r] == ref[r] for r in outs), f"{name}: output differs from default"
+                runs.setdefault(name, []).append(tps)
+            print(f"batch {batch} round {rnd + 1} done", flush=True)
         for name, eng in configs:
-            acc = None if eng is None else eng.stats()["speculative"]["accept_rate"]
-            rows.append((batch, name, acc, best[name]))
+            st = None if eng is None else eng.stats()["speculative"]
+            fb = None if eng is None else eng.num_spec_fallbacks
+            rows.append((batch, name, None if st is None else st["accept_rate"], fb, runs[name]))
     for _, eng in configs:
         if eng is not None:
             eng.shutdown()
     plain.shutdown()
-    print(f"k={a.k}, {a.new} new tokens, {a.rounds} rounds (best), torch threads {a.threads}")
-    print(f"oracle drafts corrupted at 0 / every other / every position (always: speculate every step; "
-          f"dynamic: --speculative-min-accept-length {a.dynamic})")
-    print(f"{'batch':>5}  {'drafter':<14} {'accept':>7} {'tok/s':>8} {'vs plain':>9}")
-    for batch, name, acc, tps in rows:
-        base = next(t for b, n, _, t in rows if b == batch and n == "plain")
+    mode = f"compiled ({a.compiled})" if a.compiled else "eager"
+    print(f"k={k}, {a.new} new tokens, {a.rounds} rounds, torch threads {a.threads}, {mode}")
+    print("oracle drafts corrupted at none / every other / every position; accept rate and fallbacks since start")
+    hdr = " ".join(f"{'r' + str(i + 1):>7}" for i in range(a.rounds))
+    print(f"{'batch':>5}  {'configuration':<26} {'accept':>7} {'fallbk':>6} {hdr} {'best':>7} {'vs default':>10}")
+    for batch, name, acc, fb, runs in rows:
+        base = next(r for b, n, _, _, r in rows if b == batch and n == "default")
+        rel = " ".join(f"{t / bt:>6.2f}x" for t, bt in zip(runs, base))
         acc_s = "-" if acc is None else f"{acc:.0%}"
-        print(f"{batch:>5}  {name:<14} {acc_s:>7} {tps:>8.1f} {tps / base:>8.2f}x")
+        fb_s = "-" if fb is None else str(fb)
+        print(f"{batch:>5}  {name:<26} {acc_s:>7} {fb_s:>6} {rel} {max(runs):>7.1f} {max(runs) / max(base):>9.2f}x")
 
 
 if __name__ == "__main__":

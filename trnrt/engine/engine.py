@@ -44,6 +44,7 @@ from trnrt.engine.outputs import RequestOutput, RowInput, RunnerOutput, Schedule
 from trnrt.engine.request import FinishReason, GenerateRequest, InvalidRequestError, check_new_request_ids
 from trnrt.engine.scheduler import Scheduler, SchedulerConfig
 from trnrt.engine.sequence import SequenceStatus
+from trnrt.engine.spec.policy import DynamicSpeculation
 from trnrt.engine.stop import StopChecker, is_token_stop
 from trnrt.engine.stream import OutputStream
 from trnrt.engine.threads import apply_torch_threads, count_params, resolve_torch_threads
@@ -196,9 +197,6 @@ def default_token_budget(ecfg: EngineConfig) -> int:
     return ecfg.max_decode_batch + 4 * ecfg.max_prefill_tokens
 
 
-_SPEC_DECAY = 0.99  # per verify: the admission gate follows about the last 100 verifies
-
-
 def _default_checkpoint_interval(ecfg: EngineConfig) -> int:
     """Checkpoints every largest prefill chunk (at least 64 tokens), rounded up to a page: prefill
     chunks are cut there, so at the largest chunk size the cut costs no extra graph call."""
@@ -284,10 +282,8 @@ class Engine:
                                    prefix_cache=self.prefix_cache, checkpoint_interval=interval)
         self.stats_collector = StatsCollector()
         self.speculative_config = None  # set by from_model_dir(speculative=...)
-        self._spec_acc: dict[str, list[int]] = {}  # dynamic speculation: request -> [verifies, tokens]
+        self.spec_policy: DynamicSpeculation | None = None  # dynamic speculation (from_model_dir)
         self.num_spec_fallbacks = 0  # requests that went on with plain steps (dynamic speculation)
-        self._spec_recent = [0.0, 0.0]  # decayed [verifies, tokens] of every request (engine thread)
-        self._spec_gate_count = 0
         self.stats_collector.set_engine_info(
             model_info.model_path, preset=model_info.preset, backend=model_info.backend,
             compiled=model_info.compiled, served_model_name=model_info.served_model_name,
@@ -495,6 +491,9 @@ class Engine:
         engine = cls(runner, tokenizer, info, ecfg, scfg, start=start, stream_interval=stream_interval,
                      prefix_cache_config=prefix_cache_config)
         engine.speculative_config = speculative
+        if speculative is not None and speculative.min_accept_length > 0:
+            engine.spec_policy = DynamicSpeculation(speculative.min_accept_length, speculative.probe_verifies,
+                                                    speculative.probe_every)
         if speculative is not None:
             engine.stats_collector.set_speculative(speculative.algorithm, speculative.num_steps)
         engine.startup_time_s = time.monotonic() - t0
@@ -971,22 +970,19 @@ class Engine:
         )
 
     def _judge_speculation(self, scheduled, results) -> None:
-        """Dynamic speculation: a request whose verifies emit too few tokens on average (after
-        `probe_verifies` of them) stops speculating; the drafter forgets it."""
-        cfg = self.speculative_config
+        """Dynamic speculation (trnrt.engine.spec.policy): record this step's verifies, then move
+        the requests whose drafts do not pay to plain steps; the drafter forgets them."""
+        policy = self.spec_policy
+        verified = [s.request_id for s, r in zip(scheduled, results)
+                    if s.speculative and not s.is_prefill and getattr(r, "num_drafts", 0)]
         for s, r in zip(scheduled, results):
-            if not s.speculative or s.is_prefill or not getattr(r, "num_drafts", 0):
-                continue
-            acc = self._spec_acc.setdefault(s.request_id, [0, 0])
-            acc[0] += 1
-            acc[1] += r.num_accepted + 1
-            g = self._spec_recent  # every request's verifies, decayed (the admission gate)
-            g[0] = g[0] * _SPEC_DECAY + 1
-            g[1] = g[1] * _SPEC_DECAY + r.num_accepted + 1
-            if acc[0] >= cfg.probe_verifies and acc[1] / acc[0] < cfg.min_accept_length:
-                if self.scheduler.stop_speculating(s.request_id):
-                    self.num_spec_fallbacks += 1
-                    self.runner.release([s.request_id])
+            if s.speculative and not s.is_prefill and getattr(r, "num_drafts", 0):
+                policy.record(s.request_id, r.num_accepted)
+        for rid in verified:  # judged on the whole step's evidence
+            if policy.should_fall_back(rid) and self.scheduler.stop_speculating(rid):
+                self.num_spec_fallbacks += 1
+                policy.forget(rid)
+                self.runner.release([rid])
 
     def speculative_ok(self, request: GenerateRequest) -> bool:
         """Whether a request's decode steps may be speculative: speculative decoding is on and
@@ -999,13 +995,7 @@ class Engine:
         if not (request.grammar_state is None and request.penalty_state is None and request.thinking_state is None
                 and sp.logprobs is None and sp.prompt_logprobs is None and request.prefix_group is None):
             return False
-        cfg = self.speculative_config
-        if cfg is not None and cfg.min_accept_length > 0:
-            v, t = self._spec_recent
-            if v >= cfg.probe_verifies and t / v < cfg.min_accept_length:
-                self._spec_gate_count += 1  # drafts do not pay lately: speculate on probes only
-                return self._spec_gate_count % cfg.probe_every == 0
-        return True
+        return self.spec_policy is None or self.spec_policy.admit()
 
     def _finish_stream(self, rid: str, stream: OutputStream, output: RequestOutput) -> None:
         """Put a request's finished output on its stream; every finish goes through here.
@@ -1027,7 +1017,8 @@ class Engine:
             stream.put(output)
 
     def _release_runner(self, rid: str) -> None:
-        self._spec_acc.pop(rid, None)
+        if self.spec_policy is not None:
+            self.spec_policy.forget(rid)
         self._grammars.pop(rid, None)
         self._prompt_lps.pop(rid, None)
         self._penalties.pop(rid, None)
@@ -1212,7 +1203,7 @@ class Engine:
         if self.scheduler_config.num_speculative_tokens:
             extra = [list(getattr(r, "extra_token_ids", ())) if s.do_sample else []
                      for s, r in zip(sched_out.scheduled, results)]
-            if self.speculative_config is not None and self.speculative_config.min_accept_length > 0:
+            if self.spec_policy is not None:
                 self._judge_speculation(sched_out.scheduled, results)
             spec = getattr(self.runner, "last_spec", None)
             if spec is not None and spec.num_verifies:

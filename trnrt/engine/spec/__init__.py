@@ -12,4 +12,5 @@
     draft_step.py the `draft` graph: the MTP layer's k steps as one fixed-shape call
     runner.py     SpecModelRunner: speculative rows through the decoder, the rest as ModelRunner
     config.py     SpeculativeConfig, SGLang's / vLLM's flags, the mtp-* presets' defaults
+    policy.py     DynamicSpeculation: which requests speculate under a dynamic preset (pure Python)
 """

@@ -39,8 +39,9 @@ class SpeculativeConfig:
     # graphs, compiled when loaded). 0: always speculate.
     min_accept_length: float = 0.0
     probe_verifies: int = 4
-    # ... and while the engine's recent verifies (all requests, decayed) emit fewer tokens than
-    # that on average, only one new request in `probe_every` speculates (to keep measuring).
+    # ... and while the engine's last 100 verifies (all requests) emit fewer tokens than that on
+    # average, only one new request in `probe_every` speculates (to keep measuring) and a request
+    # below the line falls back after one verify (trnrt.engine.spec.policy).
     probe_every: int = 16
 
     @property

@@ -1,0 +1,95 @@
+"""DynamicSpeculation (trnrt.engine.spec.policy) without a model: who speculates, who falls back."""
+
+from __future__ import annotations
+
+import pytest
+
+from trnrt.engine.spec.policy import DynamicSpeculation
+
+
+def _policy(**kw) -> DynamicSpeculation:
+    return DynamicSpeculation(min_accept_length=2.0, probe_verifies=4, probe_every=3, **kw)
+
+
+def test_a_lone_request_gets_its_probe_verifies_before_it_falls_back():
+    p = _policy()
+    assert p.admit()
+    for i in range(3):
+        p.record("a", 0)
+        assert not p.should_fall_back("a"), i  # 1..3 verifies: neither its own nor the engine's evidence is enough
+    p.record("a", 0)
+    assert p.should_fall_back("a")
+
+
+def test_requests_whose_drafts_pay_never_fall_back():
+    p = _policy()
+    for _ in range(20):
+        p.record("a", 3)
+        assert not p.should_fall_back("a")
+    assert p.recent_accept_length == 4.0
+
+
+def test_with_the_engine_below_the_line_a_failing_request_falls_back_after_one_verify():
+    """A batch of requests all at 0 %: one verify step gives the engine 4 verifies below the line,
+    so every one of them falls back at once instead of paying 4 verifies each."""
+    p = _policy()
+    batch = [f"r{i}" for i in range(4)]
+    for rid in batch:
+        p.record(rid, 0)
+    assert all(p.should_fall_back(rid) for rid in batch)
+
+
+def test_a_good_request_keeps_speculating_among_failing_ones():
+    p = _policy()
+    for rid in ("b1", "b2", "b3", "b4"):
+        p.record(rid, 0)
+    p.record("good", 3)  # 4 tokens from its first verify: above the line on its own
+    assert not p.should_fall_back("good")
+    assert p.should_fall_back("b1")
+
+
+def test_mixed_evidence_above_the_line_leaves_the_per_request_rule():
+    """Half the requests accept everything: the engine average is 2.5 tokens a verify, above the
+    line, so the failing ones keep their probe_verifies verifies."""
+    p = _policy()
+    for _ in range(3):
+        for rid, acc in (("g1", 3), ("g2", 3), ("b1", 0), ("b2", 0)):
+            p.record(rid, acc)
+        assert not p.should_fall_back("b1")
+    p.record("b1", 0)
+    assert p.should_fall_back("b1")
+
+
+def test_the_gate_lets_one_new_request_in_probe_every_speculate():
+    p = _policy()
+    assert [p.admit() for _ in range(3)] == [True] * 3  # no evidence yet
+    for i in range(4):
+        p.record(f"r{i}", 0)
+    assert [p.admit() for _ in range(6)] == [False, False, True, False, False, True]
+    assert p.num_gated == 4
+
+
+def test_the_window_forgets_old_verifies():
+    """The gate opens again once the last `window` verifies pay (a traffic change)."""
+    p = _policy(window=8)
+    for i in range(8):
+        p.record(f"old{i}", 0)
+    assert p.admit() is False
+    for i in range(8):
+        p.record(f"new{i}", 3)
+    assert p.recent_accept_length == 4.0
+    assert p.admit() is True
+
+
+def test_forget_drops_a_request():
+    p = _policy()
+    for _ in range(4):
+        p.record("a", 0)
+    p.forget("a")
+    assert not p.should_fall_back("a")  # nothing recorded for it any more
+    assert p._own == {}
+
+
+def test_min_accept_length_must_be_positive():
+    with pytest.raises(ValueError):
+        DynamicSpeculation(0.0)
