@@ -8,7 +8,9 @@ from typer.testing import CliRunner
 from trnrt.cli import app
 from trnrt.compile import fingerprint_cache
 
-GID = "decode-b8-t1-base"
+# The smallest graph a lock file holds (the MTP draft: one layer, ~870 nodes against ~3,200 for a
+# decode step): every check here exports it, up to three times a test.
+PRESET, GID = "mtp-always", "draft-b1-t4-base-greedy"
 
 
 @pytest.fixture
@@ -19,7 +21,7 @@ def cache_on(monkeypatch, tmp_path):
 
 
 def verify(*args: str):
-    return CliRunner().invoke(app, ["verify", "graph-equiv", "--preset", "batch8", "--only", GID, *args],
+    return CliRunner().invoke(app, ["verify", "graph-equiv", "--preset", PRESET, "--only", GID, *args],
                               catch_exceptions=False)
 
 
@@ -63,7 +65,7 @@ def test_cache_off_by_env(monkeypatch, tmp_path):
 def test_compile_stores_what_verify_reads(cache_on, tiny_dir, tmp_path):
     """`trnrt compile` hashes a checkpoint-loaded model (pad id from its tokenizer), verify the bare
     tiny config: the same graphs, so the same key, and verify reads what compile stored."""
-    r = CliRunner().invoke(app, ["compile", "--preset", "batch8", "--model", str(tiny_dir), "--out",
+    r = CliRunner().invoke(app, ["compile", "--preset", PRESET, "--model", str(tiny_dir), "--out",
                                  str(tmp_path / "art"), "--dry-run", "--only", GID], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert len(list(cache_on.glob("*.json"))) == 1

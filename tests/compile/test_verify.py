@@ -18,15 +18,19 @@ from trnrt.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
 GID = "decode-b8-t1-base"
+# The planted-change checks export the smallest graph a lock holds: the MTP draft (one layer with
+# the same norms, attention and experts, ~870 nodes against ~3,200 for a decode step).
+SMALL = ("mtp-always", "draft-b1-t4-base-greedy")
 
 
-def verify(*args: str):
-    return CliRunner().invoke(app, ["verify", "graph-equiv", "--preset", "batch8", "--only", GID, *args],
+def verify(*args: str, graph: tuple[str, str] = ("batch8", GID)):
+    preset, gid = graph
+    return CliRunner().invoke(app, ["verify", "graph-equiv", "--preset", preset, "--only", gid, *args],
                               catch_exceptions=False)
 
 
 def test_clean_tree_matches_lock():
-    r = verify()
+    r = verify(graph=SMALL)
     assert r.exit_code == 0, r.output
     assert "same" in r.output and "DIFFERENT" not in r.output
 
@@ -36,7 +40,7 @@ def test_changed_constant_fails_with_first_node_and_line(monkeypatch):
 
     orig = M.rms_norm
     monkeypatch.setattr(M, "rms_norm", lambda x, w, eps: orig(x, w, eps * 10))
-    r = verify()
+    r = verify(graph=SMALL)
     assert r.exit_code == 1, r.output
     out = r.output
     assert "DIFFERENT" in out and "first difference at node" in out
@@ -53,7 +57,7 @@ def test_changed_op_fails_with_op_delta(monkeypatch):
         return F.gelu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
     monkeypatch.setattr(M, "swiglu", swiglu_gelu)
-    r = verify()
+    r = verify(graph=SMALL)
     assert r.exit_code == 1, r.output
     assert "op-count delta" in r.output and "aten.gelu.default +" in r.output and "aten.silu.default -" in r.output
     assert "first difference at node" in r.output and "models/glm5_next/model.py:" in r.output
@@ -118,7 +122,7 @@ def test_base_ref_shows_both_sides(monkeypatch):
 
     orig = M.rms_norm
     monkeypatch.setattr(M, "rms_norm", lambda x, w, eps: orig(x, w, eps * 10))
-    r = verify("--base-ref", "HEAD")
+    r = verify("--base-ref", "HEAD", graph=SMALL)
     assert r.exit_code == 1, r.output
     assert "reference  aten.add.Tensor" in r.output and "current    aten.add.Tensor" in r.output
 
