@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trnrt.engine.spec.policy import DynamicSpeculation
+from trnrt.engine.spec.policy import DynamicSpeculation, StepCosts
 
 
 def _policy(**kw) -> DynamicSpeculation:
@@ -93,3 +93,31 @@ def test_forget_drops_a_request():
 def test_min_accept_length_must_be_positive():
     with pytest.raises(ValueError):
         DynamicSpeculation(0.0)
+
+
+def test_a_measured_break_even_above_the_floor_is_the_line():
+    """Drafts that give 4 tokens a verify pay against a floor of 2, not where a speculative step
+    costs 6 plain ones."""
+    p = _policy()
+    for rid in ("a", "b", "c", "d"):
+        p.record(rid, 3)
+    assert not p.should_fall_back("a") and p.admit()
+    p.break_even = 6.0
+    assert p.line == 6.0
+    assert p.should_fall_back("a")  # the engine's 4 verifies are below the line too: one verify is enough
+    assert not p.admit()
+    p.break_even = 1.2  # a memory-bound accelerator: the floor stands
+    assert p.line == 2.0 and not p.should_fall_back("a")
+
+
+def test_step_costs_skip_the_first_speculative_step_and_average():
+    c = StepCosts(alpha=0.5)
+    c.observe_spec(8, 1.0)  # the first step of the bucket: graph loading, not counted
+    c.observe_plain(8, 0.002)
+    assert c.break_even(8) is None and c.has_plain(8) and not c.has_plain(1)
+    c.observe_spec(8, 0.006)
+    assert c.break_even(8) == pytest.approx(3.0)
+    c.observe_spec(8, 0.010)  # averaged: 0.006 + 0.5 * (0.010 - 0.006)
+    assert c.break_even(8) == pytest.approx(4.0)
+    assert c.snapshot()[8]["spec_s"] == pytest.approx(0.008)
+    assert c.break_even(1) is None

@@ -98,6 +98,7 @@ def oracle_engines(model_dir):
             engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg,
                                            drafter_factory=lambda runner: oracle)
             assert engine.speculative_config is not None, f"{preset} did not turn speculation on"
+            _acceptance_only(engine)
             engine.oracle = oracle
             engines[preset] = engine
         return engines[preset]
@@ -105,6 +106,15 @@ def oracle_engines(model_dir):
     yield get
     for engine in engines.values():
         engine.shutdown()
+
+
+def _acceptance_only(engine):
+    """Dynamic speculation judged on acceptance alone (against min_accept_length): the measured
+    break-even (the runner's StepCosts) depends on this machine's speed, and these tests check
+    which requests fall back at known acceptance. test_dynamic_line_follows_the_measured_costs
+    covers the measured line."""
+    engine.runner.step_costs.break_even = lambda bucket: None
+    return engine
 
 
 def _record_verifies(engine):
@@ -297,6 +307,7 @@ def test_dynamic_speculation_falls_back_where_drafts_fail(model_dir, reference, 
     engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg,
                                    speculative=SpeculativeConfig(num_steps=K, min_accept_length=2.0),
                                    drafter_factory=lambda runner: oracle)
+    _acceptance_only(engine)
     try:
         log = _record_verifies(engine)
         streams = [_submit(engine, f"r{i}", random_prompts[i], max_new_tokens=N_OUT) for i in idx]
@@ -327,6 +338,7 @@ def test_dynamic_speculation_gates_new_requests_while_drafts_do_not_pay(model_di
     cfg = SpeculativeConfig(num_steps=K, min_accept_length=2.0, probe_every=3)
     engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg, speculative=cfg,
                                    drafter_factory=lambda runner: oracle)
+    _acceptance_only(engine)
     try:
         log = _record_verifies(engine)
         order = [0, 3, 8, 12, 5, 7]
@@ -341,6 +353,43 @@ def test_dynamic_speculation_gates_new_requests_while_drafts_do_not_pay(model_di
         assert probed == ["r0", "r12"], probed
         assert verifies == {"r0": cfg.probe_verifies, "r12": 1}, verifies
         assert engine.num_spec_fallbacks == 2 and engine.spec_policy.num_gated == 4
+        _assert_clean(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_dynamic_line_follows_the_measured_costs(model_dir, reference, random_prompts):
+    """Every draft right (4 tokens a verify, above the configured floor of 1): the runner times
+    its speculative and plain decode steps per batch bucket and the policy's line is their ratio.
+    Where that ratio is above what the drafts give (pinned at 10 here), new requests start plain."""
+    from trnrt.engine.engine import Engine
+    from trnrt.engine.spec.config import SpeculativeConfig
+    from trnrt.engine.spec.oracle import OracleDrafter
+
+    oracle = OracleDrafter(reference, V)
+    ecfg, scfg = _configs()
+    engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg,
+                                   speculative=SpeculativeConfig(num_steps=K, min_accept_length=1.0),
+                                   drafter_factory=lambda runner: oracle)
+    try:
+        idx = [0, 3, 8, 12]
+        streams = [_submit(engine, f"r{i}", random_prompts[i], max_new_tokens=16) for i in idx]
+        for s, i in zip(streams, idx):
+            assert collect(s, timeout=300).output_ids == reference[f"r{i}"][len(random_prompts[i]):][:16], i
+        costs, policy = engine.runner.step_costs, engine.spec_policy
+        measured = {b: c for b, c in costs.snapshot().items() if c["break_even"] is not None}
+        # a speculative bucket got its plain comparison (timed on padding rows if no plain step ran)
+        assert measured and all(c["spec_s"] > 0 and c["plain_s"] > 0 for c in measured.values()), costs.snapshot()
+        assert policy.break_even in {c["break_even"] for c in measured.values()}, (policy.break_even, measured)
+        assert policy.line == max(1.0, policy.break_even)
+        engine.runner.step_costs.break_even = lambda bucket: 10.0  # speculation "costs" 10 plain steps
+        policy.break_even = 10.0
+        gated = policy.num_gated
+        streams = [_submit(engine, f"r{i}", random_prompts[i], max_new_tokens=8) for i in (5, 7)]
+        for s, i in zip(streams, (5, 7)):
+            assert collect(s, timeout=300).output_ids == reference[f"r{i}"][len(random_prompts[i]):][:8], i
+        # the last verifies gave at most 4 tokens each, below the line of 10: both new requests ran plain
+        assert policy.recent_accept_length <= K + 1 and policy.num_gated == gated + 2
         _assert_clean(engine)
     finally:
         engine.shutdown()

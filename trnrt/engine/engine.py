@@ -970,9 +970,16 @@ class Engine:
         )
 
     def _judge_speculation(self, scheduled, results) -> None:
-        """Dynamic speculation (trnrt.engine.spec.policy): record this step's verifies, then move
-        the requests whose drafts do not pay to plain steps; the drafter forgets them."""
+        """Dynamic speculation (trnrt.engine.spec.policy): take the measured break-even of this
+        step's batch bucket (the runner's StepCosts), record the step's verifies, then move the
+        requests whose drafts do not pay to plain steps; the drafter forgets them."""
         policy = self.spec_policy
+        last = getattr(self.runner, "last_spec", None)
+        costs = getattr(self.runner, "step_costs", None)
+        if last is not None and last.bucket and costs is not None:
+            be = costs.break_even(last.bucket)
+            if be is not None:
+                policy.break_even = be
         verified = [s.request_id for s, r in zip(scheduled, results)
                     if s.speculative and not s.is_prefill and getattr(r, "num_drafts", 0)]
         for s, r in zip(scheduled, results):

@@ -17,10 +17,16 @@ rollback checkpoints are `max_decode_batch` ids of the runner's checkpoint pool 
 prefix cache's (`allocate_cache_tiers` adds them), so the two never share an id.
 Counters for the stats: `num_verifies`, `num_draft_tokens`, `num_accepted_tokens` of the last
 `execute` (`last_spec`), and per draft position (`accepted_per_position`).
+
+`step_costs` (spec.policy.StepCosts) times every speculative step and every plain decode graph
+call per decode batch bucket, for dynamic speculation's break-even; where a bucket has had
+speculative steps but no plain decode step yet, the runner times one plain step of padding rows
+(the scratch slot and page, as every padded batch writes) so that the comparison exists.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,7 +35,9 @@ from trnrt.engine.model_runner import ModelRunner
 from trnrt.engine.outputs import RowInput, RowResult
 from trnrt.engine.spec.decoder import SpecDecoder
 from trnrt.engine.spec.drafter import Drafter, MTPDrafter
+from trnrt.engine.spec.policy import StepCosts
 from trnrt.engine.spec.prefill import prefill_chunk
+from trnrt.engine.step import GraphSpec
 
 
 class _OffsetPool:
@@ -64,6 +72,7 @@ class SpecStepStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    bucket: int = 0  # the decode batch bucket the speculative rows ran in (0: none)
 
 
 class SpecModelRunner(ModelRunner):
@@ -81,6 +90,7 @@ class SpecModelRunner(ModelRunner):
         self.drafter = (drafter_factory or MTPDrafter)(self)
         self.decoder: SpecDecoder | None = None
         self.last_spec = SpecStepStats(accepted_per_position=[0] * self.num_steps)
+        self.step_costs = StepCosts()
         self.allocate_cache_tiers(0, 0, 0)  # the reserve alone, until a prefix cache asks for more
 
     def allocate_cache_tiers(self, num_checkpoints: int, num_host_pages: int, num_host_checkpoints: int) -> None:
@@ -103,7 +113,15 @@ class SpecModelRunner(ModelRunner):
         decode = [i for i, r in enumerate(rows) if r.speculative and r.spec_decode]
         if decode:
             drows = [rows[i] for i in decode]
+            t0 = time.perf_counter()
             outs = self.decoder.step(drows, [r.num_lookahead for r in drows])
+            dt = time.perf_counter() - t0  # the outputs are host lists: the step has finished
+            maxb = self.cfg.max_decode_batch
+            groups = -(-len(drows) // maxb)
+            stats.bucket = self.cfg.decode_bucket(min(len(drows), maxb))
+            self.step_costs.observe_spec(stats.bucket, dt / groups)
+            if not self.step_costs.has_plain(stats.bucket):
+                self._time_plain_step(stats.bucket, max(r.start_pos + 1 for r in drows))
             for i, r, o in zip(decode, drows, outs):
                 results[i] = RowResult(token_id=o.token_ids[0], extra_token_ids=list(o.token_ids[1:]),
                                        num_drafts=len(o.drafts), num_accepted=o.num_accepted)
@@ -115,6 +133,24 @@ class SpecModelRunner(ModelRunner):
                         stats.accepted_per_position[j] += 1
         self.last_spec = stats
         return results  # type: ignore[return-value]
+
+    def _run(self, spec: GraphSpec, rows: list[RowInput]):
+        if spec.phase != "decode":
+            return super()._run(spec, rows)
+        t0 = time.perf_counter()
+        out = super()._run(spec, rows)
+        self.step_costs.observe_plain(spec.batch, time.perf_counter() - t0)
+        return out
+
+    def _time_plain_step(self, bucket: int, length: int) -> None:
+        """One plain decode step of `bucket` padding rows at the context of `length` tokens,
+        timed on its second call (the first may load the graph); no sequence's state moves."""
+        context = self.cfg.context_bucket(length)
+        spec = GraphSpec("decode", bucket, 1, "base", sampling="greedy", context=context)
+        if self.compiled and spec not in self.compiled:
+            spec = GraphSpec("decode", bucket, 1, "base", sampling="full", context=context)
+        super()._run(spec, [])
+        self._run(spec, [])
 
     def _prefill(self, r: RowInput) -> RowResult:
         if r.start_pos == 0:
