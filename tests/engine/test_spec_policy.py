@@ -110,14 +110,56 @@ def test_a_measured_break_even_above_the_floor_is_the_line():
     assert p.line == 2.0 and not p.should_fall_back("a")
 
 
+def _costs(**kw) -> StepCosts:
+    return StepCosts(lambda n: 1 if n <= 1 else 8 if n <= 8 else 32, 32, **kw)
+
+
 def test_step_costs_skip_the_first_speculative_step_and_average():
-    c = StepCosts(alpha=0.5)
-    c.observe_spec(8, 1.0)  # the first step of the bucket: graph loading, not counted
+    c = _costs(alpha=0.5)
+    c.observe_spec(8, 1.0)  # the first call of the bucket: graph loading, not counted
     c.observe_plain(8, 0.002)
-    assert c.break_even(8) is None and c.has_plain(8) and not c.has_plain(1)
+    assert c.break_even(8) is None and c.missing_plain(8) == [] and c.missing_plain(1, 8) == [1]
     c.observe_spec(8, 0.006)
     assert c.break_even(8) == pytest.approx(3.0)
     c.observe_spec(8, 0.010)  # averaged: 0.006 + 0.5 * (0.010 - 0.006)
-    assert c.break_even(8) == pytest.approx(4.0)
+    assert c.break_even(8) == pytest.approx(4.0) == c.snapshot()[8]["break_even"]
     assert c.snapshot()[8]["spec_s"] == pytest.approx(0.008)
     assert c.break_even(1) is None
+
+
+def test_the_line_of_a_mixed_step_counts_what_the_plain_call_would_have_carried():
+    """7 plain rows and 1 speculative row: two calls (plain b8 2 ms + speculative b1 2 ms) for
+    7 + a tokens against one plain b8 call (2 ms) for 8: the row must give 9 tokens a verify
+    (8 * 4 / 2 - 7), not the 2 of a b1 step alone (2 ms / 1 ms)."""
+    c = _costs()
+    for b, plain, spec in ((1, 0.001, 0.002), (8, 0.002, 0.004)):
+        c.observe_plain(b, plain)
+        c.observe_spec(b, spec)
+        c.observe_spec(b, spec)
+    assert c.line(0, 1) == pytest.approx(2.0)
+    assert c.line(7, 1) == pytest.approx(9.0)
+    assert c.line(0, 8) == pytest.approx(2.0)
+    # 1 plain row beside 7 speculative ones: (8 * (1 + 4) / 2 - 1) / 7
+    assert c.line(1, 7) == pytest.approx(19 / 7)
+    # past the largest bucket rows run in several calls
+    assert c.buckets(40) == [32, 8] and c.missing_plain(40) == [32]
+    assert c.line(0, 40) is None and c.line(0, 0) is None
+
+
+def test_failed_probes_back_off_and_an_open_gate_resets_the_interval():
+    p = DynamicSpeculation(min_accept_length=2.0, probe_verifies=4, probe_every=2, max_probe_every=8)
+    for i in range(4):
+        p.record(f"r{i}", 0)
+    seen = []
+    for n in range(40):
+        rid = f"n{n}"
+        if p.admit(rid):
+            seen.append(n)
+            p.record(rid, 0)
+            assert p.should_fall_back(rid)
+            p.fell_back(rid)
+    assert seen == [1, 5, 13, 21, 29, 37], seen  # every 2nd, then 4th, then 8th (the cap)
+    assert p.probe_interval == 8
+    for i in range(100):  # the traffic changes: drafts pay again
+        p.record(f"g{i}", 3)
+    assert p.admit("x") and p.probe_interval == 2

@@ -494,6 +494,7 @@ class Engine:
         if speculative is not None and speculative.min_accept_length > 0:
             engine.spec_policy = DynamicSpeculation(speculative.min_accept_length, speculative.probe_verifies,
                                                     speculative.probe_every)
+            engine.stats_collector.set_section("speculative_dynamic", engine._dynamic_speculation_status)
         if speculative is not None:
             engine.stats_collector.set_speculative(speculative.algorithm, speculative.num_steps)
         engine.startup_time_s = time.monotonic() - t0
@@ -970,16 +971,13 @@ class Engine:
         )
 
     def _judge_speculation(self, scheduled, results) -> None:
-        """Dynamic speculation (trnrt.engine.spec.policy): take the measured break-even of this
-        step's batch bucket (the runner's StepCosts), record the step's verifies, then move the
-        requests whose drafts do not pay to plain steps; the drafter forgets them."""
+        """Dynamic speculation (trnrt.engine.spec.policy): take this step's measured break-even
+        (the runner's StepCosts), record the step's verifies, then move the requests whose drafts
+        do not pay to plain steps; the drafter forgets them."""
         policy = self.spec_policy
         last = getattr(self.runner, "last_spec", None)
-        costs = getattr(self.runner, "step_costs", None)
-        if last is not None and last.bucket and costs is not None:
-            be = costs.break_even(last.bucket)
-            if be is not None:
-                policy.break_even = be
+        if last is not None and last.line is not None:
+            policy.break_even = last.line
         verified = [s.request_id for s, r in zip(scheduled, results)
                     if s.speculative and not s.is_prefill and getattr(r, "num_drafts", 0)]
         for s, r in zip(scheduled, results):
@@ -988,8 +986,25 @@ class Engine:
         for rid in verified:  # judged on the whole step's evidence
             if policy.should_fall_back(rid) and self.scheduler.stop_speculating(rid):
                 self.num_spec_fallbacks += 1
-                policy.forget(rid)
+                policy.fell_back(rid)
                 self.runner.release([rid])
+
+    def _dynamic_speculation_status(self) -> dict:
+        """The /v1/stats `speculative_dynamic` section of an engine (dynamic speculation on):
+        where the line stands and what it did. Read from the HTTP side: plain values and copies."""
+        policy = self.spec_policy
+        costs = getattr(self.runner, "step_costs", None)
+        by_batch = {} if costs is None else {
+            str(b): {k: (None if v is None else round(v, 6)) for k, v in c.items()} for b, c in costs.snapshot().items()}
+        return {
+            "line": policy.line,
+            "min_accept_length": policy.min_accept_length,
+            "recent_accept_length": policy.recent_accept_length,
+            "num_fallbacks": self.num_spec_fallbacks,
+            "num_started_plain": policy.num_gated,
+            "probe_every": policy.probe_interval,
+            "by_batch_bucket": by_batch,
+        }
 
     def speculative_ok(self, request: GenerateRequest) -> bool:
         """Whether a request's decode steps may be speculative: speculative decoding is on and
@@ -1002,7 +1017,7 @@ class Engine:
         if not (request.grammar_state is None and request.penalty_state is None and request.thinking_state is None
                 and sp.logprobs is None and sp.prompt_logprobs is None and request.prefix_group is None):
             return False
-        return self.spec_policy is None or self.spec_policy.admit()
+        return self.spec_policy is None or self.spec_policy.admit(request.request_id)
 
     def _finish_stream(self, rid: str, stream: OutputStream, output: RequestOutput) -> None:
         """Put a request's finished output on its stream; every finish goes through here.

@@ -1,25 +1,29 @@
 """DynamicSpeculation: which requests speculate, under a dynamic preset (pure Python, no model).
 
-A verify emits its accepted drafts plus one token. Speculation pays while a row's tokens per
-verify exceed what a speculative step costs in plain decode steps of the same batch: `StepCosts`
-measures both on the running engine, per decode batch bucket (the runner times its steps), so
-the line follows the machine, the graphs (eager or compiled) and the batch size: a verify of
-k + 1 tokens costs about one decode step where decoding is memory-bound (GPU, Trainium), 3-7 on a
-2-core CPU (docs/PERFORMANCE.md). The line is that ratio, or `min_accept_length` where it is
-higher (the configured floor; the only line until both costs are measured). Two pieces of
-evidence decide:
+A verify emits its accepted drafts plus one token. Speculation pays while the speculative rows'
+tokens per verify exceed the step's break-even (`StepCosts.line`): the tokens per verify at which
+this step, its plain decode rows in one call and its speculative rows (draft, verify, rollback)
+in another, emits tokens as fast as one plain decode call over all its decode rows would. The
+runner times both kinds of call per decode batch bucket on the running engine, so the line
+follows the machine, the graphs (eager or compiled) and the batch: with no plain rows it is the
+cost of a speculative call in plain calls of the same bucket (about 1 where decoding is
+memory-bound, GPU and Trainium; 2-6 on a 2-core CPU: docs/PERFORMANCE.md); beside plain rows it
+is higher, since those rows would have carried the speculative ones for little more.
+`min_accept_length` is a floor under it (and the line until the costs are measured). Two pieces
+of evidence decide:
 
 * each request's own verifies: after `probe_verifies` of them, a request whose average is below
   the line goes on with plain decode steps;
 * the engine's last `window` verifies, every request's: while they hold at least
-  `probe_verifies` verifies and average below the line, a new request speculates only if it is
-  the `probe_every`-th one gated (the probes keep measuring), and a speculating request falls
-  back after its first verify below the line, unless its own average so far is above it.
+  `probe_verifies` verifies and average below the line, a speculating request falls back after
+  its first verify below the line, and a new request speculates only as a probe (the
+  `probe_every`-th one gated; each probe that falls back doubles that interval, up to
+  `max_probe_every`; the gate opening resets it).
 
 The second rule is what bounds the cost of speculating where nothing is accepted: the first
-batch of requests pays one verify each instead of `probe_verifies`, and later requests pay
-one verify in `probe_every` requests (docs/PERFORMANCE.md measures it). A request whose drafts
-do pay keeps speculating whatever the others do.
+batch of requests pays one verify each instead of `probe_verifies`, and later requests pay one
+verify in ever fewer requests. A request whose drafts do pay keeps speculating whatever the
+others do.
 """
 
 from __future__ import annotations
@@ -28,11 +32,17 @@ import collections
 
 
 class StepCosts:
-    """Seconds per runner step, per decode batch bucket: speculative steps (draft, verify,
-    rollback) and plain decode steps, each an exponential average. The first speculative step of
-    a bucket is not counted (graph loading and first-call work would make speculation look dear)."""
+    """Seconds per runner call, per decode batch bucket: speculative calls (draft, verify,
+    rollback of one group of rows) and plain decode calls, each an exponential average. The first
+    speculative call of a bucket is not counted (graph loading and first-call work would make
+    speculation look dear).
 
-    def __init__(self, alpha: float = 0.2):
+    bucket(n) -> the decode batch bucket of n rows (EngineConfig.decode_bucket); max_batch: the
+    largest bucket (more rows run in several calls)."""
+
+    def __init__(self, bucket, max_batch: int, alpha: float = 0.2):
+        self.bucket = bucket
+        self.max_batch = int(max_batch)
         self.alpha = float(alpha)
         self._spec: dict[int, float] = {}
         self._plain: dict[int, float] = {}
@@ -51,34 +61,64 @@ class StepCosts:
     def observe_plain(self, bucket: int, seconds: float) -> None:
         self._add(self._plain, bucket, seconds)
 
-    def has_plain(self, bucket: int) -> bool:
-        return bucket in self._plain
+    def buckets(self, n: int) -> list[int]:
+        """The buckets of the calls n decode rows run in (none for 0 rows)."""
+        full, rest = divmod(int(n), self.max_batch)
+        return [self.max_batch] * full + ([self.bucket(rest)] if rest else [])
+
+    def missing_plain(self, *counts: int) -> list[int]:
+        """The buckets that `line` over these row counts needs a plain time for and has none."""
+        need = {b for n in counts for b in self.buckets(n)}
+        return sorted(b for b in need if b not in self._plain)
+
+    def _time(self, table: dict[int, float], n: int) -> float | None:
+        total = 0.0
+        for b in self.buckets(n):
+            if b not in table:
+                return None
+            total += table[b]
+        return total
+
+    def line(self, num_plain: int, num_spec: int) -> float | None:
+        """The break-even tokens per verify of a step with `num_plain` plain decode rows and
+        `num_spec` speculative rows: where (num_plain + num_spec * a) tokens in
+        plain(num_plain) + spec(num_spec) seconds equal (num_plain + num_spec) tokens in
+        plain(num_plain + num_spec) seconds. None until those times are measured."""
+        if num_spec <= 0:
+            return None
+        spec = self._time(self._spec, num_spec)
+        plain_all = self._time(self._plain, num_plain + num_spec)
+        plain_rows = self._time(self._plain, num_plain) if num_plain else 0.0
+        if spec is None or plain_rows is None or not plain_all:
+            return None
+        n = num_plain + num_spec
+        return (n * (plain_rows + spec) / plain_all - num_plain) / num_spec
 
     def break_even(self, bucket: int) -> float | None:
-        """Tokens per verify at which a speculative step of this bucket costs what plain decode
-        steps emitting as many tokens cost (None until both are measured)."""
-        spec, plain = self._spec.get(bucket), self._plain.get(bucket)
-        if spec is None or not plain:
-            return None
-        return spec / plain
+        """The line of a step whose decode rows are `bucket` speculative rows and nothing else."""
+        return self.line(0, bucket)
 
     def snapshot(self) -> dict[int, dict[str, float | None]]:
-        """{bucket: {"spec_s", "plain_s", "break_even"}} (stats, logs)."""
-        return {b: {"spec_s": self._spec.get(b), "plain_s": self._plain.get(b), "break_even": self.break_even(b)}
-                for b in sorted(set(self._spec) | set(self._plain))}
+        """{bucket: {"spec_s", "plain_s", "break_even"}} (stats, logs); break_even: a step of
+        speculative rows only."""
+        spec, plain = dict(self._spec), dict(self._plain)  # copies: another thread may read this
+        return {b: {"spec_s": spec.get(b), "plain_s": plain.get(b),
+                    "break_even": spec[b] / plain[b] if b in spec and plain.get(b) else None}
+                for b in sorted(set(spec) | set(plain))}
 
 
 class DynamicSpeculation:
     """The dynamic-speculation bookkeeping of one engine (engine thread only).
 
     min_accept_length > 0: the least tokens per verify that pay (a floor under the measured
-    break-even, `break_even`, which the engine sets from StepCosts); probe_verifies: verifies a request
-    gets before its own average decides; probe_every: one gated new request in this many still
-    speculates; window: how many recent verifies (all requests) the engine-wide average covers.
+    break-even, `break_even`, which the engine sets from StepCosts.line each step);
+    probe_verifies: verifies a request gets before its own average decides; probe_every: one
+    gated new request in this many still speculates (at first; max_probe_every: the most it
+    backs off to); window: how many recent verifies (all requests) the engine-wide average covers.
     """
 
     def __init__(self, min_accept_length: float, probe_verifies: int = 4, probe_every: int = 16,
-                 window: int = 100):
+                 window: int = 100, max_probe_every: int = 256):
         if min_accept_length <= 0:
             raise ValueError("min_accept_length must be > 0 for dynamic speculation")
         self.min_accept_length = float(min_accept_length)
@@ -87,26 +127,32 @@ class DynamicSpeculation:
         self._own: dict[str, list[int]] = {}  # request -> [verifies, tokens]
         self._recent: collections.deque[int] = collections.deque(maxlen=max(1, int(window)))
         self._recent_tokens = 0
-        self._gated = 0  # new requests the gate saw while closed
+        self.max_probe_every = max(self.probe_every, int(max_probe_every))
+        self.probe_interval = self.probe_every  # grows as probes fail, back to probe_every when the gate opens
+        self._gated = 0  # new requests the gate saw while closed, since the last probe
+        self._probes: set[str] = set()  # requests admitted as probes, still speculating
         self.num_gated = 0  # new requests started plain by the gate (stats / tests)
         self.break_even: float | None = None  # measured (StepCosts), set by the engine
 
     @property
     def line(self) -> float:
         """Tokens per verify below which speculating does not pay: the measured break-even of
-        the latest speculative step's bucket, or min_accept_length where that is higher."""
+        the latest speculative step, or min_accept_length where that is higher."""
         return max(self.min_accept_length, self.break_even or 0.0)
 
     def _recent_low(self) -> bool:
         n = len(self._recent)
         return n >= self.probe_verifies and self._recent_tokens < self.line * n
 
-    def admit(self) -> bool:
+    def admit(self, request_id: str = "") -> bool:
         """Whether a new request speculates (the gate: see the module doc)."""
         if not self._recent_low():
+            self.probe_interval = self.probe_every
             return True
         self._gated += 1
-        if self._gated % self.probe_every == 0:
+        if self._gated >= self.probe_interval:
+            self._gated = 0
+            self._probes.add(request_id)
             return True
         self.num_gated += 1
         return False
@@ -129,9 +175,17 @@ class DynamicSpeculation:
             return False
         return own[0] >= self.probe_verifies or self._recent_low()
 
+    def fell_back(self, request_id: str) -> None:
+        """The request went on with plain steps (after should_fall_back): a probe that fails
+        doubles the probe interval."""
+        if request_id in self._probes:
+            self.probe_interval = min(self.max_probe_every, self.probe_interval * 2)
+        self.forget(request_id)
+
     def forget(self, request_id: str) -> None:
         """The request finished or fell back: drop its own counts."""
         self._own.pop(request_id, None)
+        self._probes.discard(request_id)
 
     @property
     def recent_accept_length(self) -> float | None:

@@ -18,10 +18,11 @@ prefix cache's (`allocate_cache_tiers` adds them), so the two never share an id.
 Counters for the stats: `num_verifies`, `num_draft_tokens`, `num_accepted_tokens` of the last
 `execute` (`last_spec`), and per draft position (`accepted_per_position`).
 
-`step_costs` (spec.policy.StepCosts) times every speculative step and every plain decode graph
-call per decode batch bucket, for dynamic speculation's break-even; where a bucket has had
-speculative steps but no plain decode step yet, the runner times one plain step of padding rows
-(the scratch slot and page, as every padded batch writes) so that the comparison exists.
+`step_costs` (spec.policy.StepCosts) times every speculative call and every plain decode graph
+call per decode batch bucket; each step with speculative rows gets its break-even tokens per
+verify (`last_spec.line`) for dynamic speculation. Where a bucket that comparison needs has had
+no plain decode call yet, the runner times one of padding rows (the scratch slot and page, as
+every padded batch writes).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class SpecStepStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     bucket: int = 0  # the decode batch bucket the speculative rows ran in (0: none)
+    line: float | None = None  # this step's break-even tokens per verify (StepCosts.line)
 
 
 class SpecModelRunner(ModelRunner):
@@ -90,7 +92,7 @@ class SpecModelRunner(ModelRunner):
         self.drafter = (drafter_factory or MTPDrafter)(self)
         self.decoder: SpecDecoder | None = None
         self.last_spec = SpecStepStats(accepted_per_position=[0] * self.num_steps)
-        self.step_costs = StepCosts()
+        self.step_costs = StepCosts(engine_config.decode_bucket, engine_config.max_decode_batch)
         self.allocate_cache_tiers(0, 0, 0)  # the reserve alone, until a prefix cache asks for more
 
     def allocate_cache_tiers(self, num_checkpoints: int, num_host_pages: int, num_host_checkpoints: int) -> None:
@@ -116,12 +118,15 @@ class SpecModelRunner(ModelRunner):
             t0 = time.perf_counter()
             outs = self.decoder.step(drows, [r.num_lookahead for r in drows])
             dt = time.perf_counter() - t0  # the outputs are host lists: the step has finished
-            maxb = self.cfg.max_decode_batch
-            groups = -(-len(drows) // maxb)
-            stats.bucket = self.cfg.decode_bucket(min(len(drows), maxb))
-            self.step_costs.observe_spec(stats.bucket, dt / groups)
-            if not self.step_costs.has_plain(stats.bucket):
-                self._time_plain_step(stats.bucket, max(r.start_pos + 1 for r in drows))
+            costs = self.step_costs
+            groups = costs.buckets(len(drows))
+            if len(groups) == 1:  # (more rows than the largest bucket: not timed)
+                costs.observe_spec(groups[0], dt)
+            n_plain = sum(1 for i in plain if len(rows[i].token_ids) == 1 and rows[i].prompt_next_ids is None)
+            for b in costs.missing_plain(n_plain, n_plain + len(drows)):
+                self._time_plain_step(b, max(r.start_pos + 1 for r in drows))
+            stats.bucket = groups[0]
+            stats.line = costs.line(n_plain, len(drows))
             for i, r, o in zip(decode, drows, outs):
                 results[i] = RowResult(token_id=o.token_ids[0], extra_token_ids=list(o.token_ids[1:]),
                                        num_drafts=len(o.drafts), num_accepted=o.num_accepted)
