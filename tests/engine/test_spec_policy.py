@@ -163,3 +163,15 @@ def test_failed_probes_back_off_and_an_open_gate_resets_the_interval():
     for i in range(100):  # the traffic changes: drafts pay again
         p.record(f"g{i}", 3)
     assert p.admit("x") and p.probe_interval == 2
+
+
+def test_the_gate_judges_a_new_request_by_the_step_it_would_join():
+    """Drafts give 4 tokens a verify: alone at batch 1 (break-even 1.4) a new request speculates;
+    beside 7 plain rows (break-even 14) it starts plain; unknown costs: the latest step's line."""
+    p = _policy()
+    for i in range(4):
+        p.record(f"r{i}", 3)
+    assert p.admit("a", line=1.4)
+    assert not p.admit("b", line=14.0)
+    p.break_even = 5.0
+    assert not p.admit("c") and p.admit("d", line=3.0)

@@ -1017,7 +1017,14 @@ class Engine:
         if not (request.grammar_state is None and request.penalty_state is None and request.thinking_state is None
                 and sp.logprobs is None and sp.prompt_logprobs is None and request.prefix_group is None):
             return False
-        return self.spec_policy is None or self.spec_policy.admit(request.request_id)
+        if self.spec_policy is None:
+            return True
+        # the break-even of the decode step it would join: the running requests, it speculating
+        running = self.scheduler.running
+        n_spec = sum(1 for s in running if s.speculative)
+        costs = getattr(self.runner, "step_costs", None)
+        line = costs.line(len(running) - n_spec, n_spec + 1) if costs is not None else None
+        return self.spec_policy.admit(request.request_id, line)
 
     def _finish_stream(self, rid: str, stream: OutputStream, output: RequestOutput) -> None:
         """Put a request's finished output on its stream; every finish goes through here.

@@ -140,13 +140,16 @@ class DynamicSpeculation:
         the latest speculative step, or min_accept_length where that is higher."""
         return max(self.min_accept_length, self.break_even or 0.0)
 
-    def _recent_low(self) -> bool:
+    def _recent_low(self, line: float | None = None) -> bool:
         n = len(self._recent)
-        return n >= self.probe_verifies and self._recent_tokens < self.line * n
+        line = self.line if line is None else max(self.min_accept_length, line)
+        return n >= self.probe_verifies and self._recent_tokens < line * n
 
-    def admit(self, request_id: str = "") -> bool:
-        """Whether a new request speculates (the gate: see the module doc)."""
-        if not self._recent_low():
+    def admit(self, request_id: str = "", line: float | None = None) -> bool:
+        """Whether a new request speculates (the gate: see the module doc). `line`: the
+        break-even of the step it would join (StepCosts.line of the running decode rows plus
+        it); None: the latest step's."""
+        if not self._recent_low(line):
             self.probe_interval = self.probe_every
             return True
         self._gated += 1
