@@ -1019,11 +1019,12 @@ class Engine:
             return False
         if self.spec_policy is None:
             return True
-        # the break-even of the decode step it would join: the running requests, it speculating
-        running = self.scheduler.running
-        n_spec = sum(1 for s in running if s.speculative)
+        # the break-even of the decode step it would join: the running and waiting requests (a
+        # batch submitted at once waits together), it speculating
+        live = [*self.scheduler.running, *self.scheduler.waiting]
+        n_spec = sum(1 for s in live if s.speculative)
         costs = getattr(self.runner, "step_costs", None)
-        line = costs.line(len(running) - n_spec, n_spec + 1) if costs is not None else None
+        line = costs.line(len(live) - n_spec, n_spec + 1) if costs is not None else None
         return self.spec_policy.admit(request.request_id, line)
 
     def _finish_stream(self, rid: str, stream: OutputStream, output: RequestOutput) -> None:
