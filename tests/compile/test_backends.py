@@ -57,34 +57,43 @@ def test_neuron_backend_module_imports_without_sdk():
     assert importlib.util.find_spec("trnrt.compile.backends") is not None
 
 
-def test_dry_run_and_eager_backend(tiny_dir, tiny_model, tmp_path):
-    from trnrt.compile import load_compiled
+def test_dry_run_and_eager_backend(tiny_dir, tmp_path):
+    """The eager backend's "load-time" entry runs the graph's own eager callable, and a dry run
+    hashes what it compiled. On the smallest graph a lock holds (the MTP draft, ~870 nodes): each
+    compile command exports it once."""
+    import copy
+
+    from trnrt.compile import expand, load_compiled
+    from trnrt.compile.export import eager_callable, spec_inputs
     from trnrt.compile.manifest import Manifest
     from trnrt.config.presets import load_preset
-    from trnrt.engine.step import StepFunction, example_inputs
+    from trnrt.models.glm5_next.weights import load_model
 
-    gid = "decode-b8-t1-base"
-    r = compile_("--preset", "batch8", "--model", str(tiny_dir), "--out", str(tmp_path), "--backend", "eager",
+    preset, gid = "mtp-always", "draft-b1-t4-base-greedy"
+    r = compile_("--preset", preset, "--model", str(tiny_dir), "--out", str(tmp_path), "--backend", "eager",
                  "--only", gid)
     assert r.exit_code == 0, r.output
-    man = Manifest.read(tmp_path / "batch8" / "eager")
+    man = Manifest.read(tmp_path / preset / "eager")
     e = man.entry(gid)
     assert e.status == "load-time" and e.bytes == 0 and len(e.graph_hash) == 64
 
-    cfg = load_preset("batch8")
-    spec = next(s for s in __import__("trnrt.compile", fromlist=["expand"]).expand(cfg) if s.graph_id == gid)
-    st = tiny_model.allocate_state(cfg.num_blocks, cfg.block_size, cfg.num_slots)
-    fns = load_compiled(tmp_path, tiny_model, st, cfg, specs=[spec], check_graphs=False)
-    x = example_inputs(spec, cfg.max_blocks_per_seq, 4096)
-    st2 = tiny_model.allocate_state(cfg.num_blocks, cfg.block_size, cfg.num_slots)
+    cfg = load_preset(preset)
+    spec = next(s for s in expand(cfg) if s.graph_id == gid)
+    model = load_model(tiny_dir, torch.float32, load_mtp=True)
+    st = model.allocate_state(cfg.num_blocks, cfg.block_size, cfg.num_slots, mtp=True)
+    st2 = copy.deepcopy(st)
+    fns = load_compiled(tmp_path, model, st, cfg, specs=[spec], check_graphs=False)
+    x = spec_inputs(spec, cfg, model.config.vocab_size, hidden_size=model.config.hidden_size)
     with torch.no_grad():
-        ref = StepFunction(tiny_model, st2, cfg.max_top_logprobs)(*x)
-    for a, b in zip(fns[spec](*x), ref):
+        ref = eager_callable(model, st2, cfg, spec)(*[t.clone() for t in x])
+        out = fns[spec](*x)
+    assert len(out) == len(ref) == 1
+    for a, b in zip(out, ref):
         assert torch.equal(a, b)
 
-    r = compile_("--preset", "batch8", "--model", str(tiny_dir), "--out", str(tmp_path), "--dry-run", "--only", gid)
+    r = compile_("--preset", preset, "--model", str(tiny_dir), "--out", str(tmp_path), "--dry-run", "--only", gid)
     assert r.exit_code == 0, r.output
-    e = Manifest.read(tmp_path / "batch8" / "cpu").entry(gid)
+    e = Manifest.read(tmp_path / preset / "cpu").entry(gid)
     assert e.status == "exported" and e.artifact is None and e.graph_hash == man.entry(gid).graph_hash
 
 
