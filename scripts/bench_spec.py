@@ -8,7 +8,8 @@ The oracle drafter (test-only) replays each request's greedy output (recorded fi
 rate: 100 % (nothing corrupted), ~34 % (every other position) and 0 % (every position). It drafts
 for free, so the rows bound what a drafter of that acceptance gives; the MTP drafter's own cost
 is a separate row (the random tiny MTP layer accepts ~0 %). Every speculative output is checked
-equal to `default`'s.
+equal to `default`'s. "default, 2nd engine" is a control: another engine of `default`, so its row
+shows what the pairing reads for two equal configurations.
 
 Each round runs every configuration once, each right after a run of `default` on the same
 requests, and takes the ratio of the pair (on a shared VM single runs move by 10-40 %, so only
@@ -110,7 +111,8 @@ def main() -> None:
     _, ref = _run(plain, prompts, a.new, 8, "default")
     recorded = {rid: prompts[int(rid[1:])] + out for rid, out in ref.items()}
     k, vocab = 3, plain.model_info.vocab_size
-    configs = [("default", None)]
+    # a second `default` engine: what 1.00x looks like on this box (the pairing's noise and bias)
+    configs = [("default", None), ("default, 2nd engine", _engine("default", compiled=a.compiled))]
     for rate in (1.0, 0.5, 0.0):
         step = {1.0: 0, 0.5: 2, 0.0: 1}[rate]
         corrupt = {rid: set(range(len(prompts[int(rid[1:])]), len(seq) + k + 2, step)) if step else set()
