@@ -7,7 +7,7 @@ in another, emits tokens as fast as one plain decode call over all its decode ro
 runner times both kinds of call per decode batch bucket on the running engine, so the line
 follows the machine, the graphs (eager or compiled) and the batch: with no plain rows it is the
 cost of a speculative call in plain calls of the same bucket (about 1 where decoding is
-memory-bound, GPU and Trainium; 2-6 on a 2-core CPU: docs/PERFORMANCE.md); beside plain rows it
+memory-bound, GPU and Trainium; 1.5-10 on a 2-core CPU: docs/PERFORMANCE.md); beside plain rows it
 is higher, since those rows would have carried the speculative ones for little more.
 `min_accept_length` is a floor under it (and the line until the costs are measured). Two pieces
 of evidence decide:
