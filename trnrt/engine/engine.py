@@ -978,12 +978,11 @@ class Engine:
         last = getattr(self.runner, "last_spec", None)
         if last is not None and last.line is not None:
             policy.break_even = last.line
-        verified = [s.request_id for s, r in zip(scheduled, results)
+        verified = [(s.request_id, r.num_accepted) for s, r in zip(scheduled, results)
                     if s.speculative and not s.is_prefill and getattr(r, "num_drafts", 0)]
-        for s, r in zip(scheduled, results):
-            if s.speculative and not s.is_prefill and getattr(r, "num_drafts", 0):
-                policy.record(s.request_id, r.num_accepted)
-        for rid in verified:  # judged on the whole step's evidence
+        for rid, num_accepted in verified:
+            policy.record(rid, num_accepted)
+        for rid, _ in verified:  # judged on the whole step's evidence
             if policy.should_fall_back(rid) and self.scheduler.stop_speculating(rid):
                 self.num_spec_fallbacks += 1
                 policy.fell_back(rid)

@@ -73,7 +73,6 @@ class SpecStepStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    bucket: int = 0  # the decode batch bucket the speculative rows ran in (0: none)
     line: float | None = None  # this step's break-even tokens per verify (StepCosts.line)
 
 
@@ -125,7 +124,6 @@ class SpecModelRunner(ModelRunner):
             n_plain = sum(1 for i in plain if len(rows[i].token_ids) == 1 and rows[i].prompt_next_ids is None)
             for b in costs.missing_plain(n_plain, n_plain + len(drows)):
                 self._time_plain_step(b, max(r.start_pos + 1 for r in drows))
-            stats.bucket = groups[0]
             stats.line = costs.line(n_plain, len(drows))
             for i, r, o in zip(decode, drows, outs):
                 results[i] = RowResult(token_id=o.token_ids[0], extra_token_ids=list(o.token_ids[1:]),
