@@ -9,8 +9,8 @@ this file. By TRNRT_TEST_COMPILE:
   bench` runs), plus ONE graph of every (phase, variant) of the flag sets, the full sampler, from
   REPRESENTATIVE, leaving out a variant whose flags a larger variant of the same phase holds (the
   processors' superset variant's decode; the prompt-logprobs prefill, which carries the
-  processors' prefill path), and one verify (full rule) and one draft graph of mtp-always (their
-  smallest decode bucket): 10 graphs. A variant's greedy twin, its other buckets and default's
+  processors' prefill path), and one verify (full rule), one draft and one spec_prefill graph of
+  mtp-always (their smallest bucket): 11 graphs. A variant's greedy twin, its other buckets and default's
   graphs differ
   from a checked graph only in a sampler, a bucket size or the state sizes; graph-equiv pins
   their hashes, and the other modes compile them.
@@ -19,7 +19,7 @@ this file. By TRNRT_TEST_COMPILE:
 - "every": every graph of every preset and flag set.
 - "variants": every variant graph of every preset and flag set, and no base graph (what
   test_compile_variants checks bucket by bucket; the base-graph tests skip).
-- "subset": three of batch8's graphs and mtp-always's smallest verify and draft (FAST_SUBSET), for
+- "subset": three of batch8's graphs and mtp-always's smallest verify, draft and spec_prefill (FAST_SUBSET), for
   a quick local run.
 
 Graphs whose hashes are equal in the presets' lock files (the same graph in two presets) are one
@@ -53,7 +53,7 @@ JOBS = 2  # parallel `trnrt compile` processes (CI has 2 cores)
 # The full sampler over the full block table, the greedy sampler over the short one (what a greedy
 # batch of short sequences runs, e.g. `trnrt bench`), and the smallest prefill graph.
 FAST_SUBSET = {"batch8": ["decode-b8-t1-base", "decode-b8-t1-c128-base-greedy", "prefill-b1-t32-base"],
-               "mtp-always": ["verify-b1-t4-base", "draft-b1-t4-base-greedy"]}
+               "mtp-always": ["verify-b1-t4-base", "draft-b1-t4-base-greedy", "spec_prefill-b1-t16-c128-base"]}
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,8 @@ def selected() -> tuple[Graph, ...]:
             of_kind = [g for g in graphs if (g.kind[0], g.kind[1]) == phase_variant and g.kind[2] == "full"]
             rep = [g for g in of_kind if g.preset == REPRESENTATIVE] or of_kind
             chosen.append(rep[0])
-        # the speculative phases (no variant): their smallest decode bucket, the full rule
-        for phase in ("verify", "draft"):
+        # the speculative phases (no variant): their smallest bucket, the full rule
+        for phase in ("verify", "draft", "spec_prefill"):
             of_phase = [g for g in graphs if g.kind[0] == phase and not g.flags]
             full = [g for g in of_phase if g.kind[2] == "full"] or of_phase
             if full:

@@ -21,11 +21,14 @@ PINNED = {
                "prefill-b1-t32-base", "prefill-b1-t128-base"],
 }
 # The MTP presets: default's graphs, then per decode bucket the verify graphs (k + 1 = 4 tokens,
-# both rules) and one draft graph.
+# both rules) and one draft graph, then per prefill spec a spec_prefill graph (every position's
+# hidden state for the drafter).
 _MTP = PINNED["default"] + [
     "verify-b1-t4-base", "verify-b1-t4-base-greedy", "verify-b8-t4-base", "verify-b8-t4-base-greedy",
     "verify-b32-t4-base", "verify-b32-t4-base-greedy",
     "draft-b1-t4-base-greedy", "draft-b8-t4-base-greedy", "draft-b32-t4-base-greedy",
+    "spec_prefill-b1-t16-c128-base", "spec_prefill-b1-t16-base", "spec_prefill-b1-t64-c128-base",
+    "spec_prefill-b1-t64-base",
 ]
 PINNED["mtp-always"] = PINNED["mtp-dynamic"] = _MTP
 

@@ -1,10 +1,12 @@
-"""The MTP graphs compiled (AOTInductor, CPU) equal eager: mtp-always's `verify` and `draft` graphs.
+"""The MTP graphs compiled (AOTInductor, CPU) equal eager: mtp-always's `verify`, `draft` and
+`spec_prefill` graphs.
 
-The session compiles one verify graph (the full rule) and one draft graph of mtp-always (smallest
-decode bucket; compile_groups "kinds"). Each is run on live rows, compiled over one state and
-eagerly over a copy, twice in a row (an extend from an empty slot, then one after it): tokens,
-accept counts and drafts must be equal, hidden states and every state tensor the graph writes
-(the target's stacks for verify, the MTP stack for draft) equal to float rounding. Then an
+The session compiles one verify graph (the full rule), one draft graph and one spec_prefill graph
+of mtp-always (smallest bucket; compile_groups "kinds"). Each is run on live rows, compiled over
+one state and eagerly over a copy, twice in a row (an extend from an empty slot, then one after
+it): tokens, accept counts and drafts must be equal, hidden states, logprobs and every state
+tensor the graph writes (the target's stacks for verify and spec_prefill, the MTP stack for draft)
+equal to float rounding. Then an
 engine on mtp-always with the compiled verify graph and the oracle drafter (full, partial and
 zero acceptance) gives the plain engine's greedy tokens, and its verifies ran in the graph.
 """
@@ -69,7 +71,10 @@ def _live(spec, cfg, model, g, start: int, num: int):
     return inputs, live
 
 
-@pytest.mark.parametrize("phase", ["verify", "draft"])
+N_OUT = {"verify": 3, "draft": 1, "spec_prefill": 5}
+
+
+@pytest.mark.parametrize("phase", ["verify", "draft", "spec_prefill"])
 def test_compiled_mtp_graphs_equal_eager(mtp_art, mtp_model, phase):
     cfg = load_preset("mtp-always")
     specs = _specs(mtp_art, cfg, phase)
@@ -84,11 +89,16 @@ def test_compiled_mtp_graphs_equal_eager(mtp_art, mtp_model, phase):
         for start, num in ((0, spec.tokens), (spec.tokens, spec.tokens - 1)):
             inputs, live = _live(spec, cfg, mtp_model, g, start, num)
             out_c, out_e = fn(*inputs), eager(*[t.clone() for t in inputs])
-            assert len(out_c) == len(out_e) == (3 if phase == "verify" else 1)
+            assert len(out_c) == len(out_e) == N_OUT[phase]
             assert torch.equal(out_c[0][:live], out_e[0][:live]), (spec.graph_id, out_c[0], out_e[0])
             if phase == "verify":
                 assert torch.equal(out_c[1][:live], out_e[1][:live])
                 torch.testing.assert_close(out_c[2][:live], out_e[2][:live], atol=TOL, rtol=TOL)
+            if phase == "spec_prefill":  # the sampled token's logprobs, then every position's hidden state
+                for j in (1, 3, 4):
+                    torch.testing.assert_close(out_c[j][:live], out_e[j][:live], atol=TOL, rtol=TOL)
+                assert torch.equal(out_c[2][:live], out_e[2][:live])
+                assert out_c[4].shape == (1, spec.tokens, mtp_model.config.hidden_size)
         target = st_c.mtp if phase == "draft" else st_c
         ref = st_e.mtp if phase == "draft" else st_e
         for (name, a), (_, b) in zip(state_tensors(target), state_tensors(ref)):
@@ -108,9 +118,9 @@ def test_compiled_mtp_graphs_equal_eager(mtp_art, mtp_model, phase):
 
 
 def test_engine_on_mtp_always_runs_the_compiled_verify_graph(mtp_art, tiny_dir):
-    """Greedy tokens of an mtp-always engine (its compiled verify graph of batch 1, the oracle
-    drafter at full, partial and zero acceptance) equal the plain default engine's; its verifies
-    ran in the compiled graph; nothing leaks."""
+    """Greedy tokens of an mtp-always engine (its compiled verify graph of batch 1 and spec_prefill
+    graph of 16 tokens, the oracle drafter at full, partial and zero acceptance) equal the plain
+    default engine's; its verifies and prompt chunks ran in the compiled graphs; nothing leaks."""
     from e2e_helpers import assert_clean, collect, greedy
 
     from trnrt.engine.request import GenerateRequest, SamplingParams
@@ -121,6 +131,8 @@ def test_engine_on_mtp_always_runs_the_compiled_verify_graph(mtp_art, tiny_dir):
     cfg = load_preset("mtp-always")
     specs = _specs(mtp_art, cfg, "verify")
     assert any(s.batch == 1 for s in specs)
+    prefills = _specs(mtp_art, cfg, "spec_prefill")  # the prompts' chunks (<= 16 tokens) run in it
+    assert [s.graph_id for s in prefills] == ["spec_prefill-b1-t16-c128-base"]
     prompts = [[5 + i, 17, 33 + 2 * i, 101, 7 * i + 3, 250, 9][: 4 + i % 4] for i in range(3)]
     n_out = 12
     plain = Engine.from_model_dir(tiny_dir, preset="default")
@@ -134,7 +146,7 @@ def test_engine_on_mtp_always_runs_the_compiled_verify_graph(mtp_art, tiny_dir):
     oracle = OracleDrafter(reference, vocab, corrupt)
     engine = Engine.from_model_dir(
         tiny_dir, preset="mtp-always", drafter_factory=lambda runner: oracle,
-        compiled_loader=lambda m, s, e: load_compiled(mtp_art, m, s, e, specs=specs, check_graphs=False))
+        compiled_loader=lambda m, s, e: load_compiled(mtp_art, m, s, e, specs=specs + prefills, check_graphs=False))
     try:
         assert engine.speculative_config is not None and engine.speculative_config.num_steps == 3
         for i, p in enumerate(prompts):  # one at a time: decode batches of 1, the compiled bucket
@@ -144,6 +156,7 @@ def test_engine_on_mtp_always_runs_the_compiled_verify_graph(mtp_art, tiny_dir):
             assert c.error is None and c.output_ids == reference[f"c{i}"][len(p):], f"c{i}"
         dec = engine.runner.decoder
         assert dec.num_graph_verifies > 0, "no verify ran in the compiled graph"
+        assert engine.runner.num_graph_calls.get(prefills[0].graph_id, 0) == len(prompts), "spec prefill ran eager"
         assert dec.num_rollbacks > 0, "no partial acceptance was exercised"
         stats = engine.stats_collector.spec_summary()
         assert 0.0 < stats["accept_rate"] < 1.0, stats

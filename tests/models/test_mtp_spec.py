@@ -243,11 +243,12 @@ def _max_diff(x: dict, y: dict) -> dict:
 
 
 def _partial_then_compare(env, k=3):
-    """Two rows (prompts 12 and 21 tokens): one verify each with one / two drafts accepted (the
-    first rejects a draft that completes a pool, the second one on a new page), against plain
-    decoding of the accepted tokens in other slots. Returns per row the max |diff| of each tensor."""
-    prompts = {"a": tokens(44, 12).tolist(), "b": tokens(45, 21).tolist()}
-    accepted = {"a": 1, "b": 2}
+    """Three rows (prompts 12, 21 and 14 tokens): one verify each with one / two / no drafts
+    accepted (the first rejects a draft that completes a pool, the second one on a new page, the
+    third re-runs as a plain decode step), against plain decoding of the accepted tokens in other
+    slots. Returns per row the max |diff| of each tensor."""
+    prompts = {"a": tokens(44, 12).tolist(), "b": tokens(45, 21).tolist(), "c": tokens(46, 14).tolist()}
+    accepted = {"a": 1, "b": 2, "c": 0}
     plain = env.plain_greedy(prompts, 4, suffix="-plain")  # feeds t_P .. t_P+2: state at P + 3
     recorded = {rid: prompts[rid] + plain[rid] for rid in prompts}
     corrupt = {rid: {len(prompts[rid]) + accepted[rid] + 1} for rid in prompts}
@@ -260,6 +261,7 @@ def _partial_then_compare(env, k=3):
         ensure_lookahead(env.cm, seq, k)
         rows.append(env.row(seq, out[rid], len(prompts[rid])))
     res = sd.step(rows)
+    assert sd.num_rollbacks == 3 and sd.num_plain_reruns == 1  # "c" re-ran through the decode step
     diffs = {}
     for rid, r in zip(prompts, res):
         n = accepted[rid]

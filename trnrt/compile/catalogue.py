@@ -27,8 +27,8 @@ from trnrt.engine.spec.config import SpeculativeFlagError, check_speculative_fla
 from trnrt.engine.step import SAMPLERS, STEP_OUTPUT_NAMES, GraphSpec
 
 BASE_VARIANT = "base"
-PHASES = ("decode", "prefill")  # the plain phases; "verify" and "draft" with speculative_num_steps
-_PHASE_ORDER = {p: i for i, p in enumerate(("decode", "prefill", "verify", "draft"))}
+PHASES = ("decode", "prefill")  # the plain phases; "verify", "draft", "spec_prefill" with speculative_num_steps
+_PHASE_ORDER = {p: i for i, p in enumerate(("decode", "prefill", "verify", "draft", "spec_prefill"))}
 
 
 class UnknownVariantError(ValueError):
@@ -165,7 +165,9 @@ def speculative_specs(config: EngineConfig) -> list:
     """The MTP graphs of a preset with speculative_num_steps k > 0, per decode batch bucket and
     context: `verify` (the target over k + 1 tokens per row and the acceptance rule; full and
     greedy rule, as the decode samplers) and `draft` (the MTP layer's k steps, argmax drafts: one
-    kind). Grammar and penalty variants have none: such requests run the plain graphs."""
+    kind), and `spec_prefill` (the plain prefill step that also returns every position's hidden
+    state, which the drafter reads: one per prefill spec, the same token buckets and contexts).
+    Grammar and penalty variants have none: such requests run the plain graphs."""
     k = config.speculative_num_steps
     if not k:
         return []
@@ -174,6 +176,8 @@ def speculative_specs(config: EngineConfig) -> list:
              for b in config.decode_batch_buckets for ctx in contexts for sampling in SAMPLERS]
     specs += [GraphSpec("draft", b, k + 1, BASE_VARIANT, "greedy", ctx)
               for b in config.decode_batch_buckets for ctx in contexts]
+    specs += [GraphSpec("spec_prefill", 1, t, BASE_VARIANT, context=c) for t in config.prefill_token_buckets
+              for c in config.prefill_contexts if c == 0 or c >= t]
     return specs
 
 

@@ -168,6 +168,10 @@ def step_output_names(spec: GraphSpec) -> tuple[str, ...]:
         return VERIFY_OUTPUT_NAMES
     if spec.phase == "draft":
         return DRAFT_OUTPUT_NAMES
+    if spec.phase == "spec_prefill":
+        from trnrt.engine.spec.prefill import SPEC_PREFILL_OUTPUT_NAMES
+
+        return SPEC_PREFILL_OUTPUT_NAMES
     return STEP_OUTPUT_NAMES if spec.variant == BASE_VARIANT else get_variant(spec.variant).output_names
 
 
@@ -199,6 +203,10 @@ class ExportStep(nn.Module):
             from trnrt.engine.spec.draft_step import DraftFunction
 
             return DraftFunction(self.model, state, self.tokens - 1)
+        if self.phase == "spec_prefill":
+            from trnrt.engine.spec.prefill import SpecPrefillFunction
+
+            return SpecPrefillFunction(self.model, state, self.engine_config.max_top_logprobs)
         if self.variant == BASE_VARIANT:
             return StepFunction(self.model, state, self.engine_config.max_top_logprobs, self.sampling)
         step = get_variant(self.variant).make_step(self.model, state, self.engine_config)

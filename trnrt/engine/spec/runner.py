@@ -1,7 +1,8 @@
 """SpecModelRunner: the ModelRunner with speculative decode steps for the requests the drafter follows.
 
 The engine marks a request speculative (Scheduler.add_request(speculative=True)); every row of
-such a request goes through this runner's speculative paths, eager, so the drafter sees every
+such a request goes through this runner's speculative paths (the catalogue's `spec_prefill`,
+`verify` and `draft` graphs, compiled where loaded, else eager), so the drafter sees every
 position's hidden state:
 
 * a prompt chunk runs `spec.prefill.prefill_chunk` (the runner's prefill with every hidden
