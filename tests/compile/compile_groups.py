@@ -142,12 +142,13 @@ def selected() -> tuple[Graph, ...]:
             of_kind = [g for g in graphs if (g.kind[0], g.kind[1]) == phase_variant and g.kind[2] == "full"]
             rep = [g for g in of_kind if g.preset == REPRESENTATIVE] or of_kind
             chosen.append(rep[0])
-        # the speculative phases (no variant): their smallest bucket, the full rule
+        # the speculative phases (no variant): their smallest bucket, the full rule, over a context
+        # bucket where there is one (what a short prompt runs: the compiled-engine test's)
         for phase in ("verify", "draft", "spec_prefill"):
             of_phase = [g for g in graphs if g.kind[0] == phase and not g.flags]
             full = [g for g in of_phase if g.kind[2] == "full"] or of_phase
             if full:
-                chosen.append(min(full, key=lambda g: (g.cost, g.id)))
+                chosen.append(min(full, key=lambda g: (not g.kind[3], g.cost, g.id)))
         return tuple(g for g in graphs if g in chosen)
     # every bucket with the full sampler and the base variant, then one graph of every other kind
     chosen = [g for g in graphs if g.kind[1:3] == (BASE_VARIANT, "full") or g.kind[0] == "draft"]  # draft: one rule
