@@ -110,8 +110,6 @@ def _trials(a, todo, batch: int, recorded: dict, vocab: int, k: int, corrupt: di
     Also the dynamic engine's own account of what it did beyond `default`: the seconds its
     speculative steps (draft + verify + rollback) and its padded plain timing calls took, against
     what the tokens those steps emitted cost `default` (its run time per token, same trial)."""
-    import statistics as st
-
     from trnrt.engine.spec.oracle import OracleDrafter
 
     out = {"cold": [], "steady": [], "extra": [], "extra_first": [], "verifies": 0, "spec": 0}
@@ -147,7 +145,7 @@ def _trials(a, todo, batch: int, recorded: dict, vocab: int, k: int, corrupt: di
             ratios = [y_ / d_ for d_, y_ in zip(tps["d"], tps["y"])]
             out["cold"].append(ratios[0])
             if len(ratios) > 1:
-                out["steady"].append(st.median(ratios[1:]))
+                out["steady"].append(statistics.median(ratios[1:]))
             n_tok = len(todo) * a.new * a.trial_runs
             d_time = sum(len(todo) * a.new / x for x in tps["d"])  # default's seconds for n_tok tokens
             y_time = sum(len(todo) * a.new / x for x in tps["y"])

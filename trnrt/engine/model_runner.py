@@ -231,10 +231,15 @@ class ModelRunner:
         """"greedy" when every row is greedy and the greedy graph exists (compiled artifacts
         always hold both, unless a caller compiled a subset); else "full" (same greedy tokens)."""
         if all(r.temperature <= 0.0 for r in rows):
-            greedy = GraphSpec("decode", self.cfg.decode_bucket(len(rows)), 1, sampling="greedy", context=context)
-            if not self.compiled or greedy in self.compiled:
-                return "greedy"
+            return self.greedy_decode_spec(self.cfg.decode_bucket(len(rows)), context).sampling
         return "full"
+
+    def greedy_decode_spec(self, batch: int, context: int) -> GraphSpec:
+        """The base decode graph an all-greedy batch of bucket `batch` runs: the greedy one, or
+        the full sampler's where only that one was compiled (the same tokens and state)."""
+        greedy = GraphSpec("decode", batch, 1, "base", "greedy", context)
+        return greedy if not self.compiled or greedy in self.compiled else GraphSpec("decode", batch, 1, "base", "full",
+                                                                                      context)
 
     # -- prefix cache: state copies outside the graphs ------------------------------------------
 

@@ -86,14 +86,9 @@ class SpecDecoder:
         """The runner's plain decode step over `rows` (each feeding its one last token at L), its
         outputs dropped: the greedy graph where the runner has it (it writes the same state as
         the full sampler's), compiled when loaded."""
-        from trnrt.engine.step import GraphSpec
-
         runner = self.runner
-        b = runner.cfg.decode_bucket(len(rows))
-        greedy = GraphSpec("decode", b, 1, "base", "greedy", context)
-        compiled = getattr(runner, "compiled", None) or {}
-        spec = greedy if not compiled or greedy in compiled else GraphSpec("decode", b, 1, "base", "full", context)
-        runner._step_fn(spec)(*runner._pack(rows, b, 1, context))
+        spec = runner.greedy_decode_spec(runner.cfg.decode_bucket(len(rows)), context)
+        runner._step_fn(spec)(*runner._pack(rows, spec.batch, 1, context))
 
     # -- prefill ------------------------------------------------------------------------------
 

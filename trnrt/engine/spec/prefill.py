@@ -18,7 +18,6 @@ import torch
 from trnrt.engine.outputs import RowInput
 from trnrt.engine.step import STEP_OUTPUT_NAMES, GraphSpec, StepFunction
 
-SPEC_PREFILL_PHASE = "spec_prefill"
 SPEC_PREFILL_OUTPUT_NAMES = STEP_OUTPUT_NAMES + ("hidden",)
 
 
@@ -47,7 +46,7 @@ def spec_prefill_spec(runner, row: RowInput) -> GraphSpec:
     cfg = runner.cfg
     n = len(row.token_ids)
     tokens = cfg.prefill_bucket(n)
-    return GraphSpec(SPEC_PREFILL_PHASE, 1, tokens, "base", "full",
+    return GraphSpec("spec_prefill", 1, tokens, "base", "full",
                      cfg.prefill_context_bucket(max(row.start_pos + n, tokens)))
 
 
@@ -58,16 +57,14 @@ def prefill_chunk(runner, row: RowInput) -> tuple[int, torch.Tensor]:
     Returns (sampled token id, hidden [n, D] of the chunk's positions); the token is meaningful
     only when the chunk ends the prompt."""
     spec = spec_prefill_spec(runner, row)
-    fn = (getattr(runner, "compiled", None) or {}).get(spec)
-    if fn is None:
+    fn = runner.compiled.get(spec)
+    if fn is None:  # the eager module, made once per runner
         fn = getattr(runner, "_spec_prefill_fn", None)
         if fn is None:
             fn = runner._spec_prefill_fn = SpecPrefillFunction(runner.model, runner.state,
                                                                runner.cfg.max_top_logprobs)
     else:
-        counts = getattr(runner, "num_graph_calls", None)
-        if counts is not None:
-            counts[spec.graph_id] = counts.get(spec.graph_id, 0) + 1
+        runner.num_graph_calls[spec.graph_id] = runner.num_graph_calls.get(spec.graph_id, 0) + 1
     inputs = runner._pack([row], 1, spec.tokens, spec.context)
     with torch.inference_mode():
         out = fn(*inputs)

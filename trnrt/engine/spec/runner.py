@@ -149,10 +149,7 @@ class SpecModelRunner(ModelRunner):
     def _time_plain_step(self, bucket: int, length: int) -> None:
         """One plain decode step of `bucket` padding rows at the context of `length` tokens,
         timed on its second call (the first may load the graph); no sequence's state moves."""
-        context = self.cfg.context_bucket(length)
-        spec = GraphSpec("decode", bucket, 1, "base", sampling="greedy", context=context)
-        if self.compiled and spec not in self.compiled:
-            spec = GraphSpec("decode", bucket, 1, "base", sampling="full", context=context)
+        spec = self.greedy_decode_spec(bucket, self.cfg.context_bucket(length))
         super()._run(spec, [])
         self._run(spec, [])
 
