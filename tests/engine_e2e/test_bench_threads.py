@@ -64,3 +64,20 @@ def test_cli_json_reports_the_thread_count_of_both_sides(two_threads):
     assert r.exit_code == 0, (r.output, r.exception)
     [obj] = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
     assert obj["threads"] == 2 and obj["hf"]["threads"] == 2
+
+
+def test_a_side_without_a_decode_rate_gives_no_ratio_and_the_table_prints(capsys):
+    # A 4-token transformers decode on a busy machine can time as zero (generate minus its own
+    # prefill forward): its rate is None, and `--compare-hf` printed a TypeError (CI, once).
+    from trnrt.cli.bench import _print_table
+    from trnrt.engine.bench import _ratio
+
+    assert _ratio(10.0, None) is None and _ratio(None, 5.0) is None and _ratio(10.0, 0.0) is None
+    assert _ratio(10.0, 4.0) == 2.5
+    side = {"batch": 2, "input_len": 8, "output_len": 4, "prefill_tok_s": 100.0}
+    r = {**side, "decode_tok_s": 50.0, "decode_step_ms": 20.0,
+         "hf": {**side, "decode_tok_s": None, "decode_step_ms": 0.0},
+         "ratio": {"prefill": _ratio(100.0, 100.0), "decode": _ratio(50.0, None)}}
+    _print_table(r, compiled=False)
+    out = capsys.readouterr().out
+    assert "decode tok/s" in out and "1.00x" in out

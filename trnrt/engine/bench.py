@@ -108,8 +108,10 @@ def _default_preset():
         return EngineConfig()
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return round(a / b, 3) if b > 0 else None
+def _ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None where either side has no rate: a short run on a busy machine can time a
+    side's decode as zero (generate minus its prefill forward), and then there is no ratio to give."""
+    return round(a / b, 3) if a is not None and b is not None and b > 0 else None
 
 
 def run_bench(
