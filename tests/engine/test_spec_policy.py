@@ -175,3 +175,35 @@ def test_the_gate_judges_a_new_request_by_the_step_it_would_join():
     assert not p.admit("b", line=14.0)
     p.break_even = 5.0
     assert not p.admit("c") and p.admit("d", line=3.0)
+
+
+def test_a_request_falls_back_once_its_probes_cannot_reach_the_line():
+    """k = 3 (at most 4 tokens a verify), line 3, 4 probe verifies (12 tokens needed): after two
+    verifies of 1 token, two more could bring at most 8: 10 < 12, so it falls back at the second
+    (not the fourth); one whose drafts were accepted goes on."""
+    p = DynamicSpeculation(min_accept_length=3.0, probe_verifies=4, probe_every=3, max_tokens_per_verify=4)
+    p.record("a", 0)
+    assert not p.should_fall_back("a")  # 1 + 3 * 4 = 13 >= 12: still possible
+    p.record("a", 0)
+    assert p.should_fall_back("a")
+    p = DynamicSpeculation(min_accept_length=3.0, probe_verifies=4, probe_every=3, max_tokens_per_verify=4)
+    p.record("b", 3)
+    p.record("b", 0)
+    assert not p.should_fall_back("b")  # 5 + 8 = 13 >= 12 (and its average 2.5 is under the line)
+    # without the bound (the old rule): all four probes
+    q = DynamicSpeculation(min_accept_length=3.0, probe_verifies=4, probe_every=3)
+    for _ in range(3):
+        q.record("a", 0)
+        assert not q.should_fall_back("a")
+
+
+def test_a_line_no_acceptance_reaches_falls_back_after_one_verify_and_closes_the_gate():
+    """A measured break-even at k + 1 or more: not even every draft accepted pays."""
+    p = DynamicSpeculation(min_accept_length=1.5, probe_verifies=4, probe_every=3, max_tokens_per_verify=4)
+    assert p.admit("a")  # no measured line yet: the floor 1.5
+    p.break_even = 4.5
+    p.record("a", 3)  # even a full acceptance is under the line
+    assert p.should_fall_back("a")
+    p.fell_back("a")
+    assert [p.admit(f"n{i}") for i in range(3)] == [False, False, True]  # the gate: probes only
+    assert p.admit("m", line=2.0)  # a step whose line is lower (fewer rows beside) is judged by its own

@@ -34,7 +34,7 @@ class Driver:
         self.seqs[name] = dict(blocks=blocks, slot=slot, pos=0)
 
     def step(self, items: list[tuple[str, list[int]]], bucket: int | None = None, pad_rows: int = 0,
-             all_logits: bool = False):
+             all_logits: bool = False, short_extend: bool = False):
         """One forward over `items` (name, new tokens); rows padded to `bucket` tokens, plus
         `pad_rows` padding rows (num_new 0, slot 0, block table of zeros)."""
         S = bucket or max(len(t) for _, t in items)
@@ -53,7 +53,8 @@ class Driver:
         for r in range(len(items), B):
             ids[r] = 11
             start[r] = 5  # garbage start on padding rows: must not matter either
-        out = self.model(ForwardBatch(ids, start, num, bt, slots), self.state, all_logits=all_logits)
+        out = self.model(ForwardBatch(ids, start, num, bt, slots), self.state, all_logits=all_logits,
+                         short_extend=short_extend)
         for name, toks in items:
             self.seqs[name]["pos"] += len(toks)
         return out

@@ -3,6 +3,7 @@ conditions that make the parity tests meaningful (clamp reached, indexer really 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -190,6 +191,8 @@ def test_kda_chunked_equals_recurrence_and_padding_is_inert():
     for chunk in (64, 8, 5):
         o, sc = M.kda_chunked(q, k, v, g, beta, s0, chunk=chunk)
         assert torch.allclose(o, ref, atol=1e-4) and torch.allclose(sc, s, atol=1e-4), chunk
+    o, su = M.kda_unrolled(q, k, v, g, beta, s0)  # the short-extend form: the recurrence itself
+    assert torch.equal(o, ref) and torch.equal(su, s)
     # tokens with decay 1 (g = 0) and beta = 0 leave the state untouched
     g2, b2 = g.clone(), beta.clone()
     g2[:, 20:], b2[:, 20:] = 0, 0
@@ -216,6 +219,56 @@ def test_moe_forms_agree(model):
             y = ex.down_proj[e] @ M.swiglu(h[:I], h[I:], model.config.swiglu_limit, "routed")
             want[t] += w[t, j] * y
     assert torch.allclose(a, want, atol=1e-5)
+
+
+def test_short_extend_is_the_plain_extend_by_another_path(model, monkeypatch):
+    """A verify-shaped extend (rows of k + 1 = 4 tokens, one partial, one padding row) with
+    short_extend: the same logits, hidden states and state tensors as the plain extend, through
+    the per-token KDA recurrence and the gathered experts (the chunked / dense forms not run)."""
+    import copy
+
+    drivers = [Driver(model), Driver(model)]
+    for d in drivers:
+        for name, n in (("a", 13), ("b", 6)):
+            d.new_seq(name)
+            d.step([(name, tokens(len(name) + n, n).tolist())])
+    calls = {"unrolled": 0, "gathered": 0, "chunked": 0, "dense": 0}
+
+    def count(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(M, "kda_unrolled", count("unrolled", M.kda_unrolled))
+    monkeypatch.setattr(M, "kda_chunked", count("chunked", M.kda_chunked))
+    monkeypatch.setattr(M, "fused_kernels", lambda x: False)  # the graphs' ops, as compiled
+    monkeypatch.setattr(M.Experts, "gathered", count("gathered", M.Experts.gathered))
+    monkeypatch.setattr(M.Experts, "dense", count("dense", M.Experts.dense))
+    items = [("a", [5, 9, 2, 7]), ("b", [3, 4])]
+    with torch.inference_mode():
+        plain = drivers[0].step(copy.deepcopy(items), bucket=4, pad_rows=1, all_logits=True)
+        before = dict(calls)
+        short = drivers[1].step(copy.deepcopy(items), bucket=4, pad_rows=1, all_logits=True, short_extend=True)
+    assert before["chunked"] > 0 and before["dense"] > 0 and before["unrolled"] == 0
+    assert calls["chunked"] == before["chunked"] and calls["dense"] == before["dense"]  # not run again
+    assert calls["unrolled"] > 0 and calls["gathered"] > before["gathered"]
+    valid = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.allclose(short.logits[valid], plain.logits[valid], atol=1e-4)
+    assert torch.allclose(short.hidden_all[valid], plain.hidden_all[valid], atol=1e-5)
+    for name in ("latent", "pooled", "kda", "conv", "tail"):
+        a, b = getattr(drivers[1].state, name), getattr(drivers[0].state, name)
+        assert torch.allclose(a, b, atol=1e-5), name
+
+
+def test_short_moe_takes_the_fused_decode_kernel_in_eager_fp32(model):
+    """Eager fp32 on the CPU: a short extend's experts run in the decode kernel, same values."""
+    if not M.fused_kernels(torch.zeros(1)):
+        pytest.skip("the C++ kernels are not built here")
+    moe = model.layers[1].mlp
+    x = torch.randn(3, 4, model.config.hidden_size)
+    with torch.inference_mode():
+        assert torch.allclose(moe(x, short=True), moe(x), atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- compiled selection

@@ -493,7 +493,8 @@ class Engine:
         engine.speculative_config = speculative
         if speculative is not None and speculative.min_accept_length > 0:
             engine.spec_policy = DynamicSpeculation(speculative.min_accept_length, speculative.probe_verifies,
-                                                    speculative.probe_every)
+                                                    speculative.probe_every,
+                                                    max_tokens_per_verify=speculative.num_steps + 1)
             engine.stats_collector.set_section("speculative_dynamic", engine._dynamic_speculation_status)
         if speculative is not None:
             engine.stats_collector.set_speculative(speculative.algorithm, speculative.num_steps)

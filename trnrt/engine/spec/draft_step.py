@@ -5,6 +5,7 @@ eagerly or compiled whenever a proposal fits the shape: k = the preset's specula
 and at most k + 1 positions pending per row (what a verify leaves: the n + 1 tokens it emitted).
 
     catch-up  one MTP extend over each row's pending positions M .. L-1   -> draft 1, h
+              (a short extend: the experts in their per-token form)
     k - 1     MTP decode steps at L .. L+k-2, fed the previous draft and h -> drafts 2 .. k
     restore   the MTP's indexer tail as it was after the catch-up (the drafts are not verified)
 
@@ -61,7 +62,7 @@ class DraftFunction(nn.Module):
 
         mtp, embed, head = self.model.mtp, self.model.embed_tokens.weight, self.model.head_weight()
         out = mtp(ForwardBatch(input_ids, start_pos, num_new, block_tables, slot_ids), prev_hidden, self.state,
-                  embed, head)  # logits [B, V], hidden [B, D] at each row's last pending position
+                  embed, head, short_extend=True)  # logits [B, V], hidden [B, D] at each row's last pending position
         drafts = [out.logits.argmax(-1)]  # [B]
         h = out.hidden  # [B, D]
         if self.k > 1:

@@ -13,7 +13,10 @@ is higher, since those rows would have carried the speculative ones for little m
 of evidence decide:
 
 * each request's own verifies: after `probe_verifies` of them, a request whose average is below
-  the line goes on with plain decode steps;
+  the line goes on with plain decode steps; sooner where the verifies it has left before that
+  could not lift its average to the line even if each emitted `max_tokens_per_verify` (k + 1:
+  every draft accepted), which is after its first verify where the line is k + 1 or more (then
+  speculation cannot pay at any acceptance, and the gate below stays closed too);
 * the engine's last `window` verifies, every request's: while they hold at least
   `probe_verifies` verifies and average below the line, a speculating request falls back after
   its first verify below the line, and a new request speculates only as a probe (the
@@ -114,11 +117,12 @@ class DynamicSpeculation:
     break-even, `break_even`, which the engine sets from StepCosts.line each step);
     probe_verifies: verifies a request gets before its own average decides; probe_every: one
     gated new request in this many still speculates (at first; max_probe_every: the most it
-    backs off to); window: how many recent verifies (all requests) the engine-wide average covers.
+    backs off to); window: how many recent verifies (all requests) the engine-wide average covers;
+    max_tokens_per_verify: the most one verify emits (k + 1), None: no bound (no early fallback).
     """
 
     def __init__(self, min_accept_length: float, probe_verifies: int = 4, probe_every: int = 16,
-                 window: int = 100, max_probe_every: int = 256):
+                 window: int = 100, max_probe_every: int = 256, max_tokens_per_verify: int | None = None):
         if min_accept_length <= 0:
             raise ValueError("min_accept_length must be > 0 for dynamic speculation")
         self.min_accept_length = float(min_accept_length)
@@ -133,6 +137,7 @@ class DynamicSpeculation:
         self._probes: set[str] = set()  # requests admitted as probes, still speculating
         self.num_gated = 0  # new requests started plain by the gate (stats / tests)
         self.break_even: float | None = None  # measured (StepCosts), set by the engine
+        self.max_tokens_per_verify = None if max_tokens_per_verify is None else int(max_tokens_per_verify)
 
     @property
     def line(self) -> float:
@@ -140,10 +145,14 @@ class DynamicSpeculation:
         the latest speculative step, or min_accept_length where that is higher."""
         return max(self.min_accept_length, self.break_even or 0.0)
 
+    def _hopeless(self, line: float) -> bool:
+        """No acceptance pays at this line: a verify emits at most max_tokens_per_verify."""
+        return self.max_tokens_per_verify is not None and line >= self.max_tokens_per_verify
+
     def _recent_low(self, line: float | None = None) -> bool:
         n = len(self._recent)
         line = self.line if line is None else max(self.min_accept_length, line)
-        return n >= self.probe_verifies and self._recent_tokens < line * n
+        return self._hopeless(line) or (n >= self.probe_verifies and self._recent_tokens < line * n)
 
     def admit(self, request_id: str = "", line: float | None = None) -> bool:
         """Whether a new request speculates (the gate: see the module doc). `line`: the
@@ -174,9 +183,15 @@ class DynamicSpeculation:
     def should_fall_back(self, request_id: str) -> bool:
         """Whether `request_id` (recorded at least once) should go on with plain decode steps."""
         own = self._own.get(request_id)
-        if own is None or own[1] >= self.line * own[0]:
+        line = self.line
+        if own is None or own[1] >= line * own[0]:
             return False
-        return own[0] >= self.probe_verifies or self._recent_low()
+        if own[0] >= self.probe_verifies or self._recent_low():
+            return True
+        if self.max_tokens_per_verify is not None:  # its probe verifies cannot reach the line any more
+            best = own[1] + (self.probe_verifies - own[0]) * self.max_tokens_per_verify
+            return best < line * self.probe_verifies
+        return False
 
     def fell_back(self, request_id: str) -> None:
         """The request went on with plain steps (after should_fall_back): a probe that fails

@@ -2,16 +2,18 @@
 
 A verify row feeds [last token, draft_1 .. draft_k] at positions L .. L+k (L = start_pos, the
 tokens already in the cache) as a multi-token extend, the way a prefill chunk runs (the model's
-S > 1 path: chunked KDA, the dense masked attention over the block table), batched over the
-decode rows. Its logits row j is the target's distribution of position L+1+j, which decides draft
-j+1 (trnrt.engine.spec.rejection); its hidden row j (the final hidden state after the final norm)
-is what the MTP drafter reads at position L+j.
+S > 1 path: the dense masked attention over the block table), batched over the decode rows, as
+a short extend (the forward's `short_extend`: the KDA recurrence token by token and fp32 experts
+gathered per token, cheaper than the chunked and dense forms over k + 1 tokens). Its logits row
+j is the target's distribution of position L+1+j, which decides draft j+1
+(trnrt.engine.spec.rejection); its hidden row j (the final hidden state after the final norm) is
+what the MTP drafter reads at position L+j.
 
 Inputs are the step function's (trnrt.engine.step.STEP_INPUT_NAMES; the runner's `_pack` fills
 them): input_ids [B, k+1], num_new = 1 + the row's drafts (0: a padding row). The state is
 written for all k + 1 positions; trnrt.engine.spec.rollback undoes the rejected ones.
-`extend` is the same forward without the rule (the re-run of the accepted tokens).
-Eager only for now: no graph of the catalogue holds it.
+`extend` is the same forward without the rule (the re-run of the accepted tokens). The
+catalogue's `verify` graphs hold `forward` (trnrt.compile.catalogue.speculative_specs).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class VerifyFunction(nn.Module):
         int64; hidden [B, k+1, D]). sample_pos is unused (the rule keys position L+1+j itself);
         draft_probs [B, k, V]: the drafter's q, None for a deterministic drafter."""
         out = self.model(self._batch(input_ids, start_pos, num_new, block_tables, slot_ids), self.state,
-                         all_logits=True)  # logits [B, k+1, V], hidden_all [B, k+1, D]
+                         all_logits=True, short_extend=True)  # logits [B, k+1, V], hidden_all [B, k+1, D]
         drafts = input_ids[:, 1:]  # [B, k]
         num_drafts = (num_new - 1).clamp(min=0)  # [B]
         if self.greedy_only:
@@ -57,4 +59,4 @@ class VerifyFunction(nn.Module):
 
     def extend(self, input_ids, start_pos, num_new, block_tables, slot_ids, *_unused) -> None:
         """The target forward alone (state written, logits dropped)."""
-        self.model(self._batch(input_ids, start_pos, num_new, block_tables, slot_ids), self.state)
+        self.model(self._batch(input_ids, start_pos, num_new, block_tables, slot_ids), self.state, short_extend=True)

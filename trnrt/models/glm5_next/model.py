@@ -300,13 +300,16 @@ class _Meta:
     tail_gather: torch.Tensor | None  # [B, kpool-1] (extend only) index into ext of the new right-aligned tail
     pool_cand: torch.Tensor  # [B, S, P] bool, pool complete and its last token visible
     tail_mask: torch.Tensor  # [B, S, T] bool, visible open-pool tokens (always selected)
+    # a short extend (a speculative verify or draft catch-up, S = k + 1): the KDA recurrence token
+    # by token, experts gathered per token (forward's short_extend); a Python flag, fixed at trace time
+    short: bool = False
 
     @property
     def block_size(self) -> int:
         return self.T // self.block_tables.shape[1]
 
 
-def _make_meta(cfg: Glm5NextConfig, batch: ForwardBatch, block_size: int) -> _Meta:
+def _make_meta(cfg: Glm5NextConfig, batch: ForwardBatch, block_size: int, short: bool = False) -> _Meta:
     ids = batch.input_ids
     B, S = ids.shape
     dev = ids.device
@@ -353,7 +356,7 @@ def _make_meta(cfg: Glm5NextConfig, batch: ForwardBatch, block_size: int) -> _Me
         B=B, S=S, T=T, valid=valid, pos=pos, restart=start == 0, num_new=num_new,
         slot_ids=batch.slot_ids.long(), block_tables=bt, tok_blk=tok_blk, tok_off=tok_off,
         pool_gather=pool_gather, pool_blk=pool_blk, pool_off=pool_off, tail_gather=tail_gather,
-        pool_cand=pool_cand, tail_mask=tail_mask,
+        pool_cand=pool_cand, tail_mask=tail_mask, short=short and S > 1,
     )
 
 
@@ -394,6 +397,17 @@ def kda_recurrent_step(q, k, v, g, beta, s0):
     s = s + k.unsqueeze(-1) * (beta.unsqueeze(-1) * (v - kv)).unsqueeze(-2)
     o = (s * q.unsqueeze(-1)).sum(-2)  # [B,H,Dv] = S^T q
     return o, s
+
+
+def kda_unrolled(q, k, v, g, beta, s0):
+    """The recurrence token by token over a short extend (a speculative verify's k + 1 tokens):
+    S recurrent steps cost less than one chunk's pairwise decays and triangular solve there.
+    Shapes and padding as kda_chunked -> (o [B,S,H,Dv], final state)."""
+    s, outs = s0, []
+    for t in range(k.shape[1]):  # S is static: unrolled at trace time
+        o, s = kda_recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s)
+        outs.append(o)
+    return torch.stack(outs, 1), s
 
 
 def kda_chunked(q, k, v, g, beta, s0, chunk: int = KDA_CHUNK):
@@ -516,6 +530,8 @@ class KDAttention(nn.Module):
         if S == 1:
             o, s1 = kda_recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
             o = o.unsqueeze(1)
+        elif meta.short:
+            o, s1 = kda_unrolled(q, k, v, g, beta, s0)
         else:
             o, s1 = kda_chunked(q, k, v, g, beta, s0)
         write_state(state.kda, self.kda_idx, (meta.slot_ids,), s1)
@@ -826,13 +842,17 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_experts = DenseMLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts, "shared")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, short: bool = False) -> torch.Tensor:
+        """x [B,S,D] -> [B,S,D]. short: a short extend (a speculative verify or draft catch-up:
+        B rows of k + 1 tokens), whose tokens take the decode form (each token's k experts
+        gathered, as a decode step of B * (k + 1) rows would) where the extend form would be the
+        dense one (fp32: every expert over every token); bf16 keeps the grouped GEMM."""
         B, S, D = x.shape
         flat = x.reshape(-1, D)
-        if S == 1 and x.dtype == torch.float32 and fused_kernels(x):
+        if (S == 1 or short) and x.dtype == torch.float32 and fused_kernels(x):
             return self._decode_fused(flat).view(B, S, D) + self.shared_experts(x)
         w, idx = self.gate(flat)
-        if S == 1:
+        if S == 1 or (short and flat.dtype != torch.bfloat16):
             routed = self.experts.gathered(flat, w, idx)
         elif flat.dtype == torch.bfloat16:
             # grouped GEMM: chosen experts' FLOPs only. bf16 only: torch._grouped_mm's fake (export)
@@ -877,7 +897,8 @@ class DecoderLayer(nn.Module):
             x, mask = self.self_attn(x, meta, state, prev_mask)
         streams = hc_expand(post, comb, x, streams)
         post, comb, x = self.ffn_hc.collapse(streams)
-        x = self.mlp(self.post_attention_layernorm(x))
+        x = self.post_attention_layernorm(x)
+        x = self.mlp(x, meta.short) if isinstance(self.mlp, MoE) else self.mlp(x)
         return hc_expand(post, comb, x, streams), mask
 
 
@@ -935,15 +956,18 @@ class Glm5NextForServing(nn.Module):
         return self.mtp(batch, prev_hidden, state.mtp, self.embed_tokens.weight, self.head_weight(), all_positions)
 
     def forward(self, batch: ForwardBatch, state: ModelState, all_logits: bool = False,
-                all_hidden: bool = False) -> ModelOutput:
+                all_hidden: bool = False, short_extend: bool = False) -> ModelOutput:
         """Run S new tokens of B rows; updates `state` in place. See ForwardBatch / ModelOutput.
         all_hidden: hidden_all [B, S, D] as with all_logits, logits at the last token only (the
         speculative prefill: the drafter reads every position, only the last one samples).
+        short_extend: S is a speculative verify's k + 1 tokens (a few): the KDA recurrence runs
+        token by token instead of chunked, and fp32 experts are gathered per token instead of
+        dense (kda_unrolled, MoE.forward); same maths, another graph (prefill graphs keep theirs).
 
         Inference only: `load_model` freezes the parameters, so no autograd graph is built. (No
         `@torch.no_grad` here on purpose: it would wrap the body in a higher-order op under
         torch.export and hide the state mutations from the graph signature.)"""
-        meta = _make_meta(self.config, batch, state.block_size)
+        meta = _make_meta(self.config, batch, state.block_size, short_extend)
         B, S = meta.B, meta.S
         e = F.embedding(batch.input_ids, self.embed_tokens.weight)  # [B,S,D]
         streams = e.unsqueeze(2).expand(B, S, self.config.hc_mult, e.shape[-1]).contiguous()  # [B,S,N,D]

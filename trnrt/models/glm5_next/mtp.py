@@ -75,14 +75,17 @@ class Glm5NextMTP(nn.Module):
         self.shared_head = SharedHead(cfg, own_head)
 
     def forward(self, batch: ForwardBatch, prev_hidden: torch.Tensor, state: MTPState,
-                target_embed: torch.Tensor, target_head: torch.Tensor, all_positions: bool = False) -> MTPOutput:
+                target_embed: torch.Tensor, target_head: torch.Tensor, all_positions: bool = False,
+                short_extend: bool = False) -> MTPOutput:
         """batch.input_ids are the NEXT tokens (row p holds token p+1), start_pos / num_new /
         block_tables / slot_ids as for the target at those positions; prev_hidden [B, S, D] (or
         [B, D] for S == 1) the hidden state at each position. target_embed [V, D] / target_head
         [V, D]: the target's embedding and lm_head, used unless this layer has its own.
-        Updates `state` in place (latent, pooled keys, tail); returns MTPOutput."""
+        short_extend: a few tokens (the draft's catch-up over k + 1 positions): the experts take
+        the per-token form (Glm5NextForServing.forward's short_extend). Updates `state` in place
+        (latent, pooled keys, tail); returns MTPOutput."""
         cfg = self.config
-        meta = _make_meta(cfg, batch, state.block_size)
+        meta = _make_meta(cfg, batch, state.block_size, short_extend)
         B = meta.B
         if prev_hidden.dim() == 2:  # [B, D] decode form
             prev_hidden = prev_hidden.unsqueeze(1)
@@ -92,7 +95,7 @@ class Glm5NextMTP(nn.Module):
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(prev_hidden)], -1))  # [B,S,D] embeddings first
         a, _ = self.self_attn(self.input_layernorm(x), meta, state, None)  # [B,S,D]
         h = x + a
-        out = h + self.mlp(self.post_attention_layernorm(h))  # [B,S,D]
+        out = h + self.mlp(self.post_attention_layernorm(h), meta.short)  # [B,S,D]
         head = target_head if self.shared_head.head is None else self.shared_head.head.weight
         if all_positions:
             h_next = self.shared_head.norm(out)  # [B,S,D]
