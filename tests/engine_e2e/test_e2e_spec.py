@@ -408,3 +408,71 @@ def test_dynamic_line_follows_the_measured_costs(model_dir, reference, random_pr
         _assert_clean(engine)
     finally:
         engine.shutdown()
+
+
+def _fake_graphs(cfg, calls, seconds, fail=False):
+    """compiled_loader -> {spec: callable} for batch bucket 4's greedy decode, verify and draft at
+    the smallest context: each records its inputs and sleeps `seconds[phase]` (or raises)."""
+    from trnrt.engine.step import GraphSpec
+
+    ctx = cfg.context_bucket(1)
+    specs = [GraphSpec("decode", 4, 1, "base", "greedy", ctx), GraphSpec("verify", 4, K + 1, "base", "greedy", ctx),
+             GraphSpec("draft", 4, K + 1, "base", "greedy", ctx)]
+
+    def make(spec):
+        def fn(*inputs):
+            calls.append((spec.graph_id, [t.clone() for t in inputs]))
+            if fail:
+                raise RuntimeError("a graph that cannot run")
+            time.sleep(seconds[spec.phase])
+        return fn
+
+    return lambda model, state, ecfg: {s: make(s) for s in specs}
+
+
+def test_warm_up_calls_every_compiled_graph_on_padding_rows_and_seeds_the_line(model_dir, reference, random_prompts):
+    """A compiled engine calls each of its graphs twice before it is returned, on padding rows only
+    (num_new 0, slot 0: the requests' state is untouched, so output stays plain decoding's), not
+    counted as requests' graph calls; a dynamic engine's line starts from those call times: a
+    speculative step that accepts nothing (draft + verify + the plain re-run: 7x decode here, above
+    k + 1, so no acceptance pays and new requests start plain)."""
+    from trnrt.engine.engine import Engine
+    from trnrt.engine.spec.config import SpeculativeConfig
+
+    ecfg, scfg = _configs()
+    calls: list = []
+    loader = _fake_graphs(ecfg, calls, {"decode": 0.002, "verify": 0.008, "draft": 0.004})
+    engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg, compiled_loader=loader,
+                                   speculative=SpeculativeConfig(num_steps=K, min_accept_length=1.5))
+    try:
+        ids = [gid for gid, _ in calls]
+        assert sorted(set(ids)) == sorted(ids[::2]) and all(ids.count(g) == 2 for g in ids), ids
+        for gid, inputs in calls:
+            num_new, slot_ids = (inputs[2], inputs[4])
+            assert not num_new.any() and not slot_ids.any(), gid  # padding rows only
+        assert engine.warmup_s > 0 and engine.runner.num_graph_calls == {}
+        costs = engine.runner.step_costs.snapshot()
+        assert set(costs) == {4}  # the bucket with all three graphs
+        assert costs[4]["break_even"] == pytest.approx(7.0, rel=0.4)
+        assert engine.runner.step_costs.line(0, 4) >= K + 1
+        # batch-4 rows would take the fakes: run requests one at a time (bucket 1, eager)
+        out = collect(_submit(engine, "r0", random_prompts[0], max_new_tokens=N_OUT), timeout=300)
+        assert out.output_ids == reference["r0"][len(random_prompts[0]):]
+    finally:
+        engine.shutdown()
+
+
+def test_a_failing_warm_up_is_logged_and_the_engine_serves(model_dir, reference, random_prompts, caplog):
+    from trnrt.engine.engine import Engine
+
+    ecfg, scfg = _configs()
+    calls: list = []
+    with caplog.at_level("WARNING", logger="trnrt.engine.engine"):
+        engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg,
+                                       compiled_loader=_fake_graphs(ecfg, calls, {}, fail=True))
+    try:
+        assert len(calls) == 1 and "warm-up of the compiled graphs failed" in caplog.text
+        out = collect(_submit(engine, "r0", random_prompts[0], max_new_tokens=N_OUT), timeout=300)
+        assert out.output_ids == reference["r0"][len(random_prompts[0]):]
+    finally:
+        engine.shutdown()

@@ -264,6 +264,7 @@ def _build_engine(path, ecfg, batch: int, compiled_loader: CompiledLoader | None
     torch.set_num_threads(n)
     engine.runner.torch_threads = n
     engine.thread.start()
+    engine.wait_warm()  # the compiled graphs' first calls, before anything is timed
     return engine, n
 
 

@@ -324,6 +324,8 @@ class Engine:
         self._accepting = True
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._warmed = threading.Event()  # set once the engine thread's warm-up is over (_warm_up)
+        self.warmup_s = 0.0
         self.num_steps = 0
         # An engine in its own process (trnrt.engine.core_proc) forwards outputs over a pipe: its
         # streams come from `stream_factory(request_id, interval)`, and the engine thread calls
@@ -498,6 +500,8 @@ class Engine:
             engine.stats_collector.set_section("speculative_dynamic", engine._dynamic_speculation_status)
         if speculative is not None:
             engine.stats_collector.set_speculative(speculative.algorithm, speculative.num_steps)
+        if start:  # the engine a caller gets has its compiled graphs warm (its startup time counts it)
+            engine.wait_warm()
         engine.startup_time_s = time.monotonic() - t0
         return engine
 
@@ -565,6 +569,10 @@ class Engine:
                      submit_log_size=submit_log_size, prefix_cache_config=prefix_cache_config)
         engine.startup_time_s = time.monotonic() - t0
         return engine
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait for the engine thread's warm-up (Engine._warm_up) to be over; False on timeout."""
+        return self._warmed.wait(timeout)
 
     # -- client API (any thread) -----------------------------------------------------------------
 
@@ -826,15 +834,35 @@ class Engine:
     def _run(self) -> None:
         # torch's thread count is per Python thread once it has run torch work: set the engine
         # thread's own (trnrt.engine.threads; a no-op without torch for the scripted runner).
-        apply_torch_threads(getattr(self.runner, "torch_threads", None))
-        # ModelRunner: the whole thread in inference mode (the runner then skips entering it
-        # every step). The scripted runner needs nothing (and no torch).
-        enter = getattr(self.runner, "thread_context", None)
-        with enter() if enter is not None else contextlib.nullcontext():
-            try:
-                self._loop()
-            finally:
-                self._close()
+        try:
+            apply_torch_threads(getattr(self.runner, "torch_threads", None))
+            # ModelRunner: the whole thread in inference mode (the runner then skips entering it
+            # every step). The scripted runner needs nothing (and no torch).
+            enter = getattr(self.runner, "thread_context", None)
+            with enter() if enter is not None else contextlib.nullcontext():
+                try:
+                    self._warm_up()
+                    self._loop()
+                finally:
+                    self._close()
+        finally:
+            self._warmed.set()  # whatever happened, nobody waits for a warm-up that will not come
+
+    def _warm_up(self) -> None:
+        """The runner's warm-up (every compiled graph called on padding rows, at the engine
+        thread's torch threads), before the first step; a failure is logged, never fatal (the
+        graphs then do their first-call work on requests, as before)."""
+        warm = getattr(self.runner, "warm_up", None)
+        try:
+            if warm is not None and getattr(self.runner, "compiled", None):
+                t0 = time.monotonic()
+                times = warm()
+                self.warmup_s = time.monotonic() - t0
+                log.info("warm-up: %d compiled graphs called in %.2f s", len(times), self.warmup_s)
+        except Exception:  # noqa: BLE001 - a warm-up is an optimisation
+            log.warning("warm-up of the compiled graphs failed; serving without it", exc_info=True)
+        finally:
+            self._warmed.set()
 
     def _loop(self) -> None:
         while not self._stop.is_set():

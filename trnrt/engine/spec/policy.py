@@ -61,6 +61,12 @@ class StepCosts:
             return
         self._add(self._spec, bucket, seconds)
 
+    def seed(self, bucket: int, spec_s: float, plain_s: float) -> None:
+        """A first estimate of a bucket's two costs (the runner's warm-up: its graphs' own call
+        times), where nothing is measured yet; measured calls then average into it."""
+        self._spec.setdefault(bucket, float(spec_s))
+        self._plain.setdefault(bucket, float(plain_s))
+
     def observe_plain(self, bucket: int, seconds: float) -> None:
         self._add(self._plain, bucket, seconds)
 

@@ -23,7 +23,8 @@ Counters for the stats: `num_verifies`, `num_draft_tokens`, `num_accepted_tokens
 call per decode batch bucket; each step with speculative rows gets its break-even tokens per
 verify (`last_spec.line`) for dynamic speculation. Where a bucket that comparison needs has had
 no plain decode call yet, the runner times one of padding rows (the scratch slot and page, as
-every padded batch writes).
+every padded batch writes). A compiled runner's `warm_up` gives each bucket a first estimate
+from its graphs' own times.
 """
 
 from __future__ import annotations
@@ -145,6 +146,25 @@ class SpecModelRunner(ModelRunner):
         out = super()._run(spec, rows)
         self.step_costs.observe_plain(spec.batch, time.perf_counter() - t0)
         return out
+
+    def warm_up(self) -> dict[GraphSpec, float]:
+        """ModelRunner.warm_up, then the first estimate of each decode bucket's costs (dynamic
+        speculation's line before any request has run), at the smallest context, where the
+        bucket has all three graphs: a plain call is its greedy decode graph; a speculative call
+        is one that accepts nothing, the case dynamic speculation must not lose on: its draft
+        and greedy verify graphs and the plain decode step that re-runs its rows. Where that is
+        k + 1 plain calls or more (a 2-core CPU), no acceptance could pay and new requests start
+        plain but for probes; where a verify costs about a decode step (GPU, Trainium) requests
+        speculate from the first. Measured calls then move the estimate (StepCosts)."""
+        times = super().warm_up()
+        k1, ctx = self.num_steps + 1, self.cfg.context_bucket(1)
+        for b in self.cfg.decode_batch_buckets:
+            plain = times.get(self.greedy_decode_spec(b, ctx))
+            verify = times.get(GraphSpec("verify", b, k1, "base", "greedy", ctx))
+            draft = times.get(GraphSpec("draft", b, k1, "base", "greedy", ctx))
+            if plain and verify and draft:
+                self.step_costs.seed(b, spec_s=draft + verify + plain, plain_s=plain)
+        return times
 
     def _time_plain_step(self, bucket: int, length: int) -> None:
         """One plain decode step of `bucket` padding rows at the context of `length` tokens,
