@@ -248,20 +248,30 @@ class ModelRunner:
         slot and page, as every padded batch does), so that no request pays a graph's first-call
         work (up to 3x a call here); returns each graph's second-call seconds. Eager: nothing to
         do. Graph call counts (`num_graph_calls`) are left alone: they count requests' calls."""
+        return {spec: self.time_graph(spec, fn, warm=True) for spec, fn in self.compiled.items()}
+
+    def time_graph(self, spec: GraphSpec, fn, calls: int = 1, warm: bool = False) -> float:
+        """The least seconds of `calls` calls of graph `fn` (`spec`'s) on padding rows (after one
+        untimed call if `warm`)."""
         import time
 
-        from trnrt.compile.export import spec_inputs
+        if spec.phase == "draft":  # the MTP draft graph's own inputs
+            from trnrt.engine.spec.draft_step import draft_example_inputs
 
-        times: dict[GraphSpec, float] = {}
-        hidden = self.model.config.hidden_size
+            inputs = draft_example_inputs(spec.batch, spec.tokens - 1, self.cfg.table_blocks(spec.context),
+                                          self.model.config.hidden_size, getattr(torch, self.cfg.dtype),
+                                          device=self.device)
+        else:  # the step inputs of padding rows, as every padded batch packs them
+            inputs = self._pack([], spec.batch, spec.tokens, spec.context) + self._pack_extra(spec, [])
+        best = float("inf")
         with torch.inference_mode():
-            for spec, fn in self.compiled.items():
-                inputs = spec_inputs(spec, self.cfg, self.vocab_size, device=self.device, hidden_size=hidden)
+            if warm:
                 fn(*inputs)
+            for _ in range(max(1, int(calls))):
                 t0 = time.perf_counter()
                 fn(*inputs)
-                times[spec] = time.perf_counter() - t0
-        return times
+                best = min(best, time.perf_counter() - t0)
+        return best
 
     def allocate_cache_tiers(self, num_checkpoints: int, num_host_pages: int, num_host_checkpoints: int) -> None:
         """Allocate the checkpoint pool (device) and the host tier for the prefix cache.
