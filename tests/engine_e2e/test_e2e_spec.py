@@ -431,7 +431,7 @@ def _fake_graphs(cfg, calls, seconds, fail=False):
 
 
 def test_warm_up_calls_every_compiled_graph_on_padding_rows_and_seeds_the_line(model_dir, reference, random_prompts):
-    """A compiled engine calls each of its graphs twice before it is returned, on padding rows only
+    """A compiled engine calls each of its graphs before it is returned, on padding rows only
     (num_new 0, slot 0: the requests' state is untouched, so output stays plain decoding's), not
     counted as requests' graph calls; a dynamic engine's line starts from those call times: a
     speculative step that accepts nothing (draft + verify + the plain re-run: 7x decode here, above
@@ -446,7 +446,8 @@ def test_warm_up_calls_every_compiled_graph_on_padding_rows_and_seeds_the_line(m
                                    speculative=SpeculativeConfig(num_steps=K, min_accept_length=1.5))
     try:
         ids = [gid for gid, _ in calls]
-        assert sorted(set(ids)) == sorted(ids[::2]) and all(ids.count(g) == 2 for g in ids), ids
+        # twice each (the warm-up), then 5 timed calls of each graph the line's seed reads
+        assert len(set(ids)) == 3 and all(ids.count(g) == 2 + 5 for g in ids), ids
         for gid, inputs in calls:
             num_new, slot_ids = (inputs[2], inputs[4])
             assert not num_new.any() and not slot_ids.any(), gid  # padding rows only
