@@ -207,3 +207,19 @@ def test_a_line_no_acceptance_reaches_falls_back_after_one_verify_and_closes_the
     p.fell_back("a")
     assert [p.admit(f"n{i}") for i in range(3)] == [False, False, True]  # the gate: probes only
     assert p.admit("m", line=2.0)  # a step whose line is lower (fewer rows beside) is judged by its own
+
+
+def test_seeded_costs_stay_a_pair_until_a_speculative_call_is_measured():
+    c = StepCosts(lambda n: 1 if n <= 1 else 8, max_batch=8)
+    c.seed(1, spec_s=4.0, plain_s=1.0)
+    assert c.line(0, 1) == 4.0
+    c.observe_plain(1, 2.0)  # a measured plain call (with the step's Python work): not mixed in
+    assert c.line(0, 1) == 4.0
+    c.observe_spec(1, 9.0)  # the first speculative call of a bucket: not counted
+    assert c.line(0, 1) == 4.0
+    c.observe_spec(1, 3.0)  # the first measured one replaces the estimate; plain is measured again
+    assert c.missing_plain(1) == [1] and c.line(0, 1) is None
+    c.observe_plain(1, 1.5)
+    assert c.line(0, 1) == 2.0
+    c.seed(1, spec_s=10.0, plain_s=1.0)  # a bucket with measurements keeps them
+    assert c.line(0, 1) == 2.0

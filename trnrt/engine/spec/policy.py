@@ -50,6 +50,7 @@ class StepCosts:
         self._spec: dict[int, float] = {}
         self._plain: dict[int, float] = {}
         self._seen_spec: set[int] = set()
+        self._seeded: set[int] = set()  # buckets whose two costs are still the warm-up's estimate
 
     def _add(self, table: dict[int, float], bucket: int, seconds: float) -> None:
         old = table.get(bucket)
@@ -59,15 +60,25 @@ class StepCosts:
         if bucket not in self._seen_spec:
             self._seen_spec.add(bucket)
             return
+        if bucket in self._seeded:  # the first measured speculative call replaces the estimate,
+            self._seeded.discard(bucket)  # and the plain cost is measured again (missing_plain)
+            self._spec[bucket] = seconds
+            self._plain.pop(bucket, None)
+            return
         self._add(self._spec, bucket, seconds)
 
     def seed(self, bucket: int, spec_s: float, plain_s: float) -> None:
         """A first estimate of a bucket's two costs (the runner's warm-up: its graphs' own call
-        times), where nothing is measured yet; measured calls then average into it."""
-        self._spec.setdefault(bucket, float(spec_s))
-        self._plain.setdefault(bucket, float(plain_s))
+        times), where nothing is measured yet. The two stay a pair, measured plain calls leaving
+        it alone (they also count the step's Python work, which the graph times do not), until
+        the first measured speculative call replaces both."""
+        if bucket not in self._spec and bucket not in self._plain:
+            self._spec[bucket], self._plain[bucket] = float(spec_s), float(plain_s)
+            self._seeded.add(bucket)
 
     def observe_plain(self, bucket: int, seconds: float) -> None:
+        if bucket in self._seeded:
+            return
         self._add(self._plain, bucket, seconds)
 
     def buckets(self, n: int) -> list[int]:
