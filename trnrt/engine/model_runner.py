@@ -241,8 +241,6 @@ class ModelRunner:
         return greedy if not self.compiled or greedy in self.compiled else GraphSpec("decode", batch, 1, "base", "full",
                                                                                       context)
 
-    # -- prefix cache: state copies outside the graphs ------------------------------------------
-
     def warm_up(self) -> dict[GraphSpec, float]:
         """Call every compiled graph twice on padding rows (num_new 0: they write only the scratch
         slot and page, as every padded batch does), so that no request pays a graph's first-call
@@ -272,6 +270,8 @@ class ModelRunner:
                 fn(*inputs)
                 best = min(best, time.perf_counter() - t0)
         return best
+
+    # -- prefix cache: state copies outside the graphs ------------------------------------------
 
     def allocate_cache_tiers(self, num_checkpoints: int, num_host_pages: int, num_host_checkpoints: int) -> None:
         """Allocate the checkpoint pool (device) and the host tier for the prefix cache.
