@@ -23,8 +23,8 @@ import time
 
 
 def _engine(model, cache: bool, interval: int):
-    from trnrt.engine.cache_config import PrefixCacheConfig
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.cache.cache_config import PrefixCacheConfig
+    from trnrt.engine.core.engine import Engine
 
     pcc = PrefixCacheConfig(checkpoint_interval=interval) if cache else None
     return Engine.from_model_dir(model, prefix_cache_config=pcc, max_running_requests=8)

@@ -68,7 +68,7 @@ def _loader(directory: str | None, preset_dir: str | None = None):
 
 
 def _engine(preset: str, drafter=None, compiled: str | None = None, min_accept: float | None = None):
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.engine.spec.config import SpeculativeConfig
 
     kw = {}

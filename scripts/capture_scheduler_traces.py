@@ -2,7 +2,7 @@
 
 Usage: .venv/bin/python scripts/capture_scheduler_traces.py [TREE]
 
-TREE is the checkout whose trnrt.engine.scheduler is recorded (default /tmp/sched-base, a git
+TREE is the checkout whose trnrt.engine.sched.scheduler is recorded (default /tmp/sched-base, a git
 worktree of the pre-change commit: `git worktree add /tmp/sched-base 5f1d6ae`). It goes first on
 sys.path, so the scenarios run against that tree's scheduler, not this one's.
 """
@@ -20,7 +20,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 def main() -> None:
     tree = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/sched-base").resolve()
     sys.path.insert(0, str(tree))
-    import trnrt.engine.scheduler as sched_mod
+    import trnrt.engine.sched.scheduler as sched_mod
 
     assert pathlib.Path(sched_mod.__file__).resolve().is_relative_to(tree), sched_mod.__file__
     spec = importlib.util.spec_from_file_location("trace_scenarios", REPO / "tests/engine/trace_scenarios.py")

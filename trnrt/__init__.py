@@ -17,7 +17,7 @@ __all__ = ["__version__", "LLM", "SamplingParams"]
 
 def __getattr__(name: str):
     if name == "LLM":
-        from trnrt.engine.llm import LLM
+        from trnrt.engine.core.llm import LLM
 
         return LLM
     if name == "SamplingParams":

@@ -8,7 +8,7 @@ from trnrt.compile.catalogue import (
     UnknownVariantError, expand, register_variant, spec_from_id, unregister_variant,
 )
 from trnrt.config.presets import list_presets, load_preset
-from trnrt.engine.step import GraphSpec
+from trnrt.engine.runner.step import GraphSpec
 
 # Pinned spec lists: a change here is a change of what every runner compiles and runs.
 PINNED = {
@@ -90,7 +90,7 @@ def test_penalties_variant_and_the_superset_of_both_flags():
 
 
 def test_known_flag_without_variant_is_refused(monkeypatch):
-    from trnrt.engine import logits_processors as lp
+    from trnrt.engine.sample import logits_processors as lp
 
     monkeypatch.delitem(lp._PROCESSORS, "penalties")
     with pytest.raises(UnknownVariantError, match="no variant graph is defined for --penalties"):
@@ -122,7 +122,7 @@ def test_variant():
     import torch
 
     from trnrt.compile.export import spec_inputs  # noqa: F401  (import check)
-    from trnrt.engine.step import StepFunction
+    from trnrt.engine.runner.step import StepFunction
 
     class BiasStep(StepFunction):
         def forward(self, *args):

@@ -125,7 +125,7 @@ def test_engine_on_mtp_always_runs_the_compiled_verify_graph(mtp_art, tiny_dir):
 
     from trnrt.engine.request import GenerateRequest, SamplingParams
 
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.engine.spec.oracle import OracleDrafter
 
     cfg = load_preset("mtp-always")

@@ -64,7 +64,7 @@ def test_changed_op_fails_with_op_delta(monkeypatch):
 
 
 def test_known_flag_without_variant_is_a_usage_error(monkeypatch):
-    from trnrt.engine import logits_processors as lp
+    from trnrt.engine.sample import logits_processors as lp
 
     monkeypatch.delitem(lp._PROCESSORS, "penalties")
     r = verify("--penalties")
@@ -86,7 +86,7 @@ def test_flag_on_keeps_base_hashes(monkeypatch):
     import torch
 
     from trnrt.compile.catalogue import register_variant, unregister_variant
-    from trnrt.engine.step import StepFunction
+    from trnrt.engine.runner.step import StepFunction
     from trnrt.verify.graph_equiv import fingerprints_for, read_lock
 
     class MaskedStep(StepFunction):

@@ -2,9 +2,9 @@
 
 import pytest
 
-from trnrt.engine.cache_manager import CacheIntegrityError, CacheManager, NoFreeBlocksError
+from trnrt.engine.cache.cache_manager import CacheIntegrityError, CacheManager, NoFreeBlocksError
 from trnrt.engine.request import SamplingParams
-from trnrt.engine.sequence import Sequence
+from trnrt.engine.output.sequence import Sequence
 
 
 def seq(rid: str, n: int = 4) -> Sequence:

@@ -8,7 +8,7 @@ which is the case the U+FFFD hold-back exists for.
 import pytest
 from tokenizers import ByteLevelBPETokenizer
 
-from trnrt.engine.detokenizer import IncrementalDetokenizer
+from trnrt.engine.output.detokenizer import IncrementalDetokenizer
 
 UNICODE = "héllo wörld 世界 🙂"
 ENGLISH = ["hello world, the quick brown fox stops here", "the lazy dog jumps over the quick fox. END"]
@@ -121,12 +121,12 @@ def test_works_with_a_transformers_fast_tokenizer(tok, tmp_path):
 
 
 def test_engine_recipe_stop_string_finishes_request_and_frees_cache(tok):
-    """The loop documented in trnrt.engine.stop: scheduler token stops + detokenizer stop strings."""
-    from trnrt.engine.cache_manager import CacheManager
-    from trnrt.engine.outputs import RunnerOutput
+    """The loop documented in trnrt.engine.output.stop: scheduler token stops + detokenizer stop strings."""
+    from trnrt.engine.cache.cache_manager import CacheManager
+    from trnrt.engine.output.outputs import RunnerOutput
     from trnrt.engine.request import FinishReason, GenerateRequest, SamplingParams
-    from trnrt.engine.scheduler import Scheduler, SchedulerConfig
-    from trnrt.engine.stop import StopChecker, is_token_stop
+    from trnrt.engine.sched.scheduler import Scheduler, SchedulerConfig
+    from trnrt.engine.output.stop import StopChecker, is_token_stop
 
     eos = tok.token_to_id("<eos>")
     scripts = {"s": tok.encode("the quick fox. END").ids + [7] * 20, "e": tok.encode(" héllo").ids + [eos]}

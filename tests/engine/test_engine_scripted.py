@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from trnrt.engine.client import (
+from trnrt.engine.core.client import (
     ABORT_WAITING_MESSAGE,
     FLUSH_BUSY_MESSAGE,
     FLUSH_IN_PROGRESS_MESSAGE,
@@ -26,7 +26,7 @@ from trnrt.engine.client import (
     EngineLoad,
     FlushResult,
 )
-from trnrt.engine.messages import AbortMatchingMsg, AbortMsg, FlushCacheMsg, LoadQueryMsg, Reply, SubmitMsg
+from trnrt.engine.core.messages import AbortMatchingMsg, AbortMsg, FlushCacheMsg, LoadQueryMsg, Reply, SubmitMsg
 from trnrt.engine.request import FinishReason, GenerateRequest, InvalidRequestError, SamplingParams
 
 TIMEOUT_S = 20.0
@@ -47,7 +47,7 @@ def long_script(tok):
 
 
 def make_engine(tok, eos, script=None, **kw):
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
 
     kw.setdefault("max_model_len", 1024)
     return Engine.scripted(tok, script or long_script(tok), eos_token_ids=(eos,), **kw)
@@ -146,8 +146,8 @@ def test_inbox_carries_typed_messages_only(tok, eos, engines):
 
 
 def test_pure_modules_and_the_scripted_engine_import_no_torch():
-    code = ("import sys; import trnrt.engine.messages, trnrt.engine.scripted_runner, trnrt.engine.engine, "
-            "trnrt.engine.client; assert 'torch' not in sys.modules, 'torch'")
+    code = ("import sys; import trnrt.engine.core.messages, trnrt.engine.runner.scripted_runner, trnrt.engine.core.engine, "
+            "trnrt.engine.core.client; assert 'torch' not in sys.modules, 'torch'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

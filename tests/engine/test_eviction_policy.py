@@ -8,13 +8,13 @@ import math
 
 import pytest
 
-from trnrt.engine.cache_config import EVICTION_POLICIES
-from trnrt.engine.eviction_policy import (
+from trnrt.engine.cache.cache_config import EVICTION_POLICIES
+from trnrt.engine.cache.eviction_policy import (
     TLRU_HISTORY,
     TLRUStrategy,
     make_eviction_strategy,
 )
-from trnrt.engine.radix_node import TreeNode
+from trnrt.engine.cache.radix_node import TreeNode
 
 PAGE = 4
 

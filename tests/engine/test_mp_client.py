@@ -1,4 +1,4 @@
-"""The engine core in its own process (trnrt.engine.mp_client / core_proc), driven through the
+"""The engine core in its own process (trnrt.engine.core.mp_client / core_proc), driven through the
 EngineClient protocol with the scripted engine of `trnrt serve --scripted` in the child: outputs
 equal the in-process engine's, the engine's exceptions cross with their type and field, aborts
 and flushes work, stats sections, speculative-decoding stats and finish records reach this side, a
@@ -14,8 +14,8 @@ import time
 import pytest
 
 from trnrt.cli.serve import ServeArgs, build_engine, engine_core_factory
-from trnrt.engine.engine import EngineDeadError
-from trnrt.engine.mp_client import MPEngineClient
+from trnrt.engine.core.engine import EngineDeadError
+from trnrt.engine.core.mp_client import MPEngineClient
 from trnrt.engine.request import GenerateRequest, InvalidRequestError, SamplingParams
 
 

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from trnrt.engine.cache_config import PrefixCacheConfig
+from trnrt.engine.cache.cache_config import PrefixCacheConfig
 from trnrt.engine.request import GenerateRequest, SamplingParams
-from trnrt.engine.scheduler import SchedulerConfig
+from trnrt.engine.sched.scheduler import SchedulerConfig
 
 TIMEOUT_S = 30.0
 
@@ -41,7 +41,7 @@ def hash_script(vocab: int, eos: int, n: int = 24):
 
 @pytest.fixture
 def engines(tok, eos):
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
 
     made = []
 

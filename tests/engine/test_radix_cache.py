@@ -12,16 +12,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from trnrt.engine.cache_manager import CacheManager, IdPool
-from trnrt.engine.eviction_policy import (
+from trnrt.engine.cache.cache_manager import CacheManager, IdPool
+from trnrt.engine.cache.eviction_policy import (
     TLRU_HISTORY,
     EvictionStrategy,
     LRUStrategy,
     TLRUStrategy,
     make_eviction_strategy,
 )
-from trnrt.engine.outputs import CacheOp
-from trnrt.engine.radix_cache import RadixCache
+from trnrt.engine.output.outputs import CacheOp
+from trnrt.engine.cache.radix_cache import RadixCache
 
 
 class Clock:

@@ -10,10 +10,10 @@ from dataclasses import replace
 
 import pytest
 
-from trnrt.engine.radix_node import TreeNode
+from trnrt.engine.cache.radix_node import TreeNode
 from trnrt.engine.request import SamplingParams
-from trnrt.engine.scheduler import SchedulerConfig
-from trnrt.engine.schedule_policy import (
+from trnrt.engine.sched.scheduler import SchedulerConfig
+from trnrt.engine.sched.schedule_policy import (
     DISPLACED_MESSAGE,
     LPM_MAX_WAITING,
     PRIORITY_DISABLED_MESSAGE,
@@ -26,7 +26,7 @@ from trnrt.engine.schedule_policy import (
     queue_admission,
     validate_policy,
 )
-from trnrt.engine.sequence import Sequence, SequenceStatus
+from trnrt.engine.output.sequence import Sequence, SequenceStatus
 
 BASE = SchedulerConfig()
 PRIO = SchedulerConfig(enable_priority_scheduling=True)

@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from trnrt.engine.cache_manager import CacheManager, cdiv
-from trnrt.engine.outputs import RunnerOutput, SchedulerOutput, TokenLogprob
+from trnrt.engine.cache.cache_manager import CacheManager, cdiv
+from trnrt.engine.output.outputs import RunnerOutput, SchedulerOutput, TokenLogprob
 from trnrt.engine.request import (
     FinishReason,
     GenerateRequest,
@@ -19,8 +19,8 @@ from trnrt.engine.request import (
     SamplingParams,
     check_context_length,
 )
-from trnrt.engine.scheduler import Scheduler, SchedulerConfig
-from trnrt.engine.sequence import Sequence, SequenceStatus
+from trnrt.engine.sched.scheduler import Scheduler, SchedulerConfig
+from trnrt.engine.output.sequence import Sequence, SequenceStatus
 
 EOS = 999
 

@@ -13,14 +13,14 @@ import random
 
 import pytest
 
-from trnrt.engine import schedule_policy as policy
-from trnrt.engine.cache_manager import CacheManager, IdPool
-from trnrt.engine.eviction_policy import make_eviction_strategy
-from trnrt.engine.outputs import CacheOp, RunnerOutput, SchedulerOutput
-from trnrt.engine.radix_cache import RadixCache
+from trnrt.engine.sched import schedule_policy as policy
+from trnrt.engine.cache.cache_manager import CacheManager, IdPool
+from trnrt.engine.cache.eviction_policy import make_eviction_strategy
+from trnrt.engine.output.outputs import CacheOp, RunnerOutput, SchedulerOutput
+from trnrt.engine.cache.radix_cache import RadixCache
 from trnrt.engine.request import FinishReason, GenerateRequest, SamplingParams
-from trnrt.engine.scheduler import Scheduler, SchedulerConfig
-from trnrt.engine.sequence import SequenceStatus
+from trnrt.engine.sched.scheduler import Scheduler, SchedulerConfig
+from trnrt.engine.output.sequence import SequenceStatus
 
 EOS = 999
 BS = 4

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import random
 
-from trnrt.engine.cache_manager import CacheManager, cdiv
-from trnrt.engine.outputs import RunnerOutput, SchedulerOutput
+from trnrt.engine.cache.cache_manager import CacheManager, cdiv
+from trnrt.engine.output.outputs import RunnerOutput, SchedulerOutput
 from trnrt.engine.request import GenerateRequest, SamplingParams
-from trnrt.engine.scheduler import Scheduler, SchedulerConfig
+from trnrt.engine.sched.scheduler import Scheduler, SchedulerConfig
 
 from test_scheduler import EOS, next_token
 
@@ -157,8 +157,8 @@ def test_plain_requests_beside_speculative_ones_and_the_fallback():
 
 
 def test_speculative_requests_bypass_the_prefix_cache():
-    from trnrt.engine.cache_manager import IdPool
-    from trnrt.engine.radix_cache import RadixCache
+    from trnrt.engine.cache.cache_manager import IdPool
+    from trnrt.engine.cache.radix_cache import RadixCache
 
     cm = CacheManager(64, 4, 9)
     pc = RadixCache(cm, IdPool(8, "checkpoint"))

@@ -1,8 +1,8 @@
 """StopChecker: token stop order, ignore_eos semantics, merging with stop strings."""
 
 from trnrt.engine.request import FinishReason, SamplingParams
-from trnrt.engine.sequence import Sequence
-from trnrt.engine.stop import StopChecker, is_token_stop
+from trnrt.engine.output.sequence import Sequence
+from trnrt.engine.output.stop import StopChecker, is_token_stop
 
 EOS = 2
 

@@ -5,9 +5,9 @@ bounded search work per token), and the real Engine with a scripted runner."""
 import pytest
 from tokenizers import ByteLevelBPETokenizer
 
-from trnrt.engine.detokenizer import IncrementalDetokenizer
+from trnrt.engine.output.detokenizer import IncrementalDetokenizer
 from trnrt.engine.request import FinishReason, GenerateRequest, InvalidRequestError, SamplingParams
-from trnrt.engine.stop import REGEX_HOLD_CHARS, StopRegex, compile_stop_regex
+from trnrt.engine.output.stop import REGEX_HOLD_CHARS, StopRegex, compile_stop_regex
 
 ENGLISH = ["hello world, the quick brown fox stops here", "the lazy dog jumps over the quick fox. END 42 17",
            "aaaa aaaa aaaa bbbb"]
@@ -163,7 +163,7 @@ def test_stop_token_text_kept_only_when_asked(tok):
 
 
 def test_engine_stops_on_a_regex_and_frees_everything(tok):
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
 
     eos = tok.token_to_id("<eos>")
     script_ids = tok.encode("the lazy dog jumps over the quick fox. END 42 17").ids

@@ -2,9 +2,9 @@
 
 import pytest
 
-from trnrt.engine.outputs import RequestOutput, TokenLogprob
+from trnrt.engine.output.outputs import RequestOutput, TokenLogprob
 from trnrt.engine.request import FinishReason
-from trnrt.engine.stream import OutputStream, merge_outputs
+from trnrt.engine.output.stream import OutputStream, merge_outputs
 
 
 def _outs(n: int, logprobs: bool = True) -> list[RequestOutput]:

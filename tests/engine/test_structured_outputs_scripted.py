@@ -1,7 +1,7 @@
 """Structured outputs in the real Engine with a scripted runner that honours the token mask.
 
 The scripted runner returns its script's token when the mask allows it and an allowed one
-otherwise (trnrt.engine.scripted_runner), so these tests see exactly which tokens the engine's
+otherwise (trnrt.engine.runner.scripted_runner), so these tests see exactly which tokens the engine's
 masks allowed: the grammar applies after `</think>`, a preempted request keeps its matcher, a
 dead end ends with "stop", and grammars are refused (naming the field) when the flag is off.
 """
@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from trnrt.engine.engine import Engine  # noqa: E402
-from trnrt.engine.grammar_spec import GrammarSpec  # noqa: E402
+from trnrt.engine.core.engine import Engine  # noqa: E402
+from trnrt.engine.sample.grammar_spec import GrammarSpec  # noqa: E402
 from trnrt.engine.request import GenerateRequest, InvalidRequestError, SamplingParams  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
@@ -84,7 +84,7 @@ def test_grammar_applies_after_think_and_valid_tokens_pass(hf_tok):
 
 def _replays(tok, kind, value, ids, eos_ids) -> bool:
     """Every generated token is accepted by a fresh matcher of the grammar (EOS ends it)."""
-    from trnrt.engine.grammar import GrammarCompilerService
+    from trnrt.engine.sample.grammar import GrammarCompilerService
 
     svc = GrammarCompilerService(tok, len(tok), eos_ids)
     st = svc.new_state(GrammarSpec(kind, value, "x"))

@@ -1,4 +1,4 @@
-"""The tool_choice grammar (trnrt.engine.tool_call_grammar) on xgrammar's matcher, token by token.
+"""The tool_choice grammar (trnrt.engine.sample.tool_call_grammar) on xgrammar's matcher, token by token.
 
 Checks the two faults of xgrammar's built-in GLM tag are fixed (the special ids are demanded, a
 length-bounded string cannot swallow `</arg_value>`), the call counts of required / named /
@@ -16,9 +16,9 @@ import pytest
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-from trnrt.engine.grammar import GrammarCompilerService  # noqa: E402
-from trnrt.engine.grammar_spec import GrammarSpec  # noqa: E402
-from trnrt.engine.tool_call_grammar import ToolGrammarError, tool_call_tag  # noqa: E402
+from trnrt.engine.sample.grammar import GrammarCompilerService  # noqa: E402
+from trnrt.engine.sample.grammar_spec import GrammarSpec  # noqa: E402
+from trnrt.engine.sample.tool_call_grammar import ToolGrammarError, tool_call_tag  # noqa: E402
 from trnrt.serve.output.tool_calls import ToolCallParser  # noqa: E402
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -46,10 +46,10 @@ from __future__ import annotations
 import random
 import zlib
 
-from trnrt.engine.cache_manager import CacheManager
-from trnrt.engine.outputs import RunnerOutput
+from trnrt.engine.cache.cache_manager import CacheManager
+from trnrt.engine.output.outputs import RunnerOutput
 from trnrt.engine.request import FinishReason, GenerateRequest, InvalidRequestError, SamplingParams
-from trnrt.engine.scheduler import Scheduler, SchedulerConfig
+from trnrt.engine.sched.scheduler import Scheduler, SchedulerConfig
 
 EOS = 999
 STOP = 5  # a stop_token_id the scenarios force

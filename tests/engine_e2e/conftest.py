@@ -72,8 +72,8 @@ def special_ids(tokenizer) -> set[int]:
 @pytest.fixture(scope="session")
 def small_engine(model_dir):
     from trnrt.config import EngineConfig
-    from trnrt.engine.engine import Engine
-    from trnrt.engine.scheduler import SchedulerConfig
+    from trnrt.engine.core.engine import Engine
+    from trnrt.engine.sched.scheduler import SchedulerConfig
 
     ecfg = EngineConfig(max_model_len=256, block_size=16, num_blocks=256 // 16 + 1 + 4, num_slots=5,
                         decode_batch_buckets=(1, 2, 4), prefill_token_buckets=(16, 64))
@@ -100,7 +100,7 @@ def eos_ref(small_engine, tokenizer):
 @pytest.fixture(scope="session")
 def eos_engine(model_dir, eos_ref, tmp_path_factory):
     from trnrt.config import EngineConfig
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
 
     d = tmp_path_factory.mktemp("tiny_eos")
     for p in Path(model_dir).iterdir():

@@ -9,8 +9,8 @@ import torch
 from typer.testing import CliRunner
 
 from trnrt.cli import app
-from trnrt.engine.bench import BenchError, run_bench, threads_note
-from trnrt.engine.threads import ENV_VAR
+from trnrt.benchmark.engine_bench import BenchError, run_bench, threads_note
+from trnrt.engine.runner.threads import ENV_VAR
 
 TINY = dict(batch=2, input_len=8, output_len=4, num_prompts=2)
 
@@ -70,7 +70,7 @@ def test_a_side_without_a_decode_rate_gives_no_ratio_and_the_table_prints(capsys
     # A 4-token transformers decode on a busy machine can time as zero (generate minus its own
     # prefill forward): its rate is None, and `--compare-hf` printed a TypeError (CI, once).
     from trnrt.cli.bench import _print_table
-    from trnrt.engine.bench import _ratio
+    from trnrt.benchmark.engine_bench import _ratio
 
     assert _ratio(10.0, None) is None and _ratio(None, 5.0) is None and _ratio(10.0, 0.0) is None
     assert _ratio(10.0, 4.0) == 2.5

@@ -117,7 +117,7 @@ def test_generate_stop_and_text_output(small_engine, tokenizer, generate):
 
 
 def test_generate_engine_failure_exits_1(monkeypatch, generate):
-    from trnrt.engine.model_runner import ModelRunner
+    from trnrt.engine.runner.model_runner import ModelRunner
 
     def broken(self, rows):
         raise RuntimeError("device lost")
@@ -185,8 +185,8 @@ def test_bench_runs_compiled_graphs_from_the_loader():
     """run_bench hands (model, state, config) to the compiled loader and the engine runs its graphs."""
     from trnrt.compile import expand
     from trnrt.config import EngineConfig
-    from trnrt.engine.bench import run_bench
-    from trnrt.engine.step import StepFunction
+    from trnrt.benchmark.engine_bench import run_bench
+    from trnrt.engine.runner.step import StepFunction
 
     calls: dict[str, int] = {}
 

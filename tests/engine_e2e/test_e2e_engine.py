@@ -323,7 +323,7 @@ def test_context_limit_and_abort_while_queued(small_engine, random_prompts, toke
 
 def test_shutdown_aborts_in_flight_requests(model_dir, tokenizer):
     from trnrt.config import EngineConfig
-    from trnrt.engine.engine import Engine, EngineDeadError
+    from trnrt.engine.core.engine import Engine, EngineDeadError
 
     engine = Engine.from_model_dir(model_dir, engine_config=EngineConfig(
         max_model_len=128, num_blocks=33, num_slots=3, decode_batch_buckets=(1, 2), prefill_token_buckets=(16, 64)))
@@ -387,7 +387,7 @@ def test_random_aborts_under_preemption_leave_nothing_behind(small_engine, rando
 
 
 def test_llm_generate_invalid_prompt_leaves_no_orphan_requests(small_engine):
-    from trnrt.engine.llm import LLM
+    from trnrt.engine.core.llm import LLM
     from trnrt.engine.request import InvalidRequestError
 
     engine = small_engine
@@ -431,8 +431,8 @@ def test_decode_context_buckets_cut_the_block_table_and_keep_greedy_tokens(model
     """A decode batch whose rows all fit in a context bucket runs the short-table graph; once a row
     outgrows it, the full table. Tokens equal those of an engine without context buckets."""
     from trnrt.config import EngineConfig
-    from trnrt.engine.engine import Engine
-    from trnrt.engine.scheduler import SchedulerConfig
+    from trnrt.engine.core.engine import Engine
+    from trnrt.engine.sched.scheduler import SchedulerConfig
 
     ecfg = EngineConfig(max_model_len=256, block_size=16, num_blocks=256 // 16 + 1 + 4, num_slots=5,
                         decode_batch_buckets=(1, 2, 4), prefill_token_buckets=(16, 64), decode_context_buckets=(32,))
@@ -457,8 +457,8 @@ def test_prefill_context_buckets_cut_the_block_table_and_keep_greedy_tokens(mode
     graph (also for a later chunk of the same prompt); a prompt past it runs the full table.
     Tokens equal those of an engine without prefill context buckets."""
     from trnrt.config import EngineConfig
-    from trnrt.engine.engine import Engine
-    from trnrt.engine.scheduler import SchedulerConfig
+    from trnrt.engine.core.engine import Engine
+    from trnrt.engine.sched.scheduler import SchedulerConfig
 
     ecfg = EngineConfig(max_model_len=256, block_size=16, num_blocks=256 // 16 + 1 + 4, num_slots=5,
                         decode_batch_buckets=(1, 2, 4), prefill_token_buckets=(16, 64), prefill_context_buckets=(32, 64))
@@ -487,7 +487,7 @@ def test_non_streamed_and_interval_requests_get_the_same_result_in_fewer_outputs
     """stream=False: one output, at the end, equal to the streamed request's concatenation (tokens,
     text, logprobs, finish reason), with a stop string and with seeded sampling; a stream interval
     of 3 delivers ceil(n / 3) outputs of the same content."""
-    from trnrt.engine import engine as engine_mod
+    from trnrt.engine.core import engine as engine_mod
 
     made = []  # (deferred, has stop strings) of each detokenizer the engine creates
 

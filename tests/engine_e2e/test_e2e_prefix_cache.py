@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from e2e_helpers import TIMEOUT_S  # noqa: E402
 
-from trnrt.engine.cache_config import PrefixCacheConfig
+from trnrt.engine.cache.cache_config import PrefixCacheConfig
 from trnrt.engine.request import GenerateRequest, SamplingParams
 
 N_NEW = 10
@@ -27,8 +27,8 @@ N_NEW = 10
 
 def _engine(model_dir, cache, num_blocks=64, slots=5, **sched):
     from trnrt.config import EngineConfig
-    from trnrt.engine.engine import Engine
-    from trnrt.engine.scheduler import SchedulerConfig
+    from trnrt.engine.core.engine import Engine
+    from trnrt.engine.sched.scheduler import SchedulerConfig
 
     ecfg = EngineConfig(max_model_len=512, block_size=16, num_blocks=num_blocks, num_slots=slots,
                         decode_batch_buckets=(1, 2, 4), prefill_token_buckets=(16, 64))

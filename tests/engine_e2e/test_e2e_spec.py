@@ -36,7 +36,7 @@ MTP_PRESETS = _mtp_presets()
 
 def _configs():
     from trnrt.config import EngineConfig
-    from trnrt.engine.scheduler import SchedulerConfig
+    from trnrt.engine.sched.scheduler import SchedulerConfig
 
     ecfg = EngineConfig(max_model_len=256, block_size=16, num_blocks=256 // 16 + 1 + 4, num_slots=5,
                         decode_batch_buckets=(1, 2, 4), prefill_token_buckets=(16, 64))
@@ -65,7 +65,7 @@ def reference(model_dir, hf_model, random_prompts):
     transformers' greedy generate for every prompt."""
     from test_e2e_parity import hf_greedy
 
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
 
     ecfg, scfg = _preset_configs("default")
     engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg)
@@ -86,7 +86,7 @@ def reference(model_dir, hf_model, random_prompts):
 def oracle_engines(model_dir):
     """preset -> an engine on that mtp-* preset's config with the oracle drafter (made on first use,
     shut down at the end of the module)."""
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.engine.spec.oracle import OracleDrafter
 
     engines: dict = {}
@@ -270,7 +270,7 @@ def test_mtp_drafter_through_the_engine(model_dir, reference, random_prompts):
     """The tiny checkpoint's own MTP layer drafts (a random layer: few drafts accepted); the greedy
     output is still plain decoding's, seeded sampling is reproducible, and the drafter forgets
     every finished request."""
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.engine.spec.config import SpeculativeConfig
 
     ecfg, scfg = _configs()
@@ -296,7 +296,7 @@ def test_dynamic_speculation_falls_back_where_drafts_fail(model_dir, reference, 
     """min_accept_length 2: requests whose drafts are all wrong go on with plain steps once their
     probe verifies cannot reach the line (same output), those whose drafts are right keep
     speculating."""
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.engine.spec.config import SpeculativeConfig
     from trnrt.engine.spec.oracle import OracleDrafter
 
@@ -335,7 +335,7 @@ def test_dynamic_speculation_gates_new_requests_while_drafts_do_not_pay(model_di
     """Every draft wrong: the first request probes and falls back; the next ones start plain
     (no drafter work at all) except one in probe_every, which measures again and falls back
     after one verify."""
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.engine.spec.config import SpeculativeConfig
     from trnrt.engine.spec.oracle import OracleDrafter
 
@@ -370,7 +370,7 @@ def test_dynamic_line_follows_the_measured_costs(model_dir, reference, random_pr
     """Every draft right (4 tokens a verify, above the configured floor of 1): the runner times
     its speculative and plain decode steps per batch bucket and the policy's line is their ratio.
     Where that ratio is above what the drafts give (pinned at 10 here), new requests start plain."""
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.engine.spec.config import SpeculativeConfig
     from trnrt.engine.spec.oracle import OracleDrafter
 
@@ -413,7 +413,7 @@ def test_dynamic_line_follows_the_measured_costs(model_dir, reference, random_pr
 def _fake_graphs(cfg, calls, seconds, fail=False):
     """compiled_loader -> {spec: callable} for batch bucket 4's greedy decode, verify and draft at
     the smallest context: each records its inputs and sleeps `seconds[phase]` (or raises)."""
-    from trnrt.engine.step import GraphSpec
+    from trnrt.engine.runner.step import GraphSpec
 
     ctx = cfg.context_bucket(1)
     specs = [GraphSpec("decode", 4, 1, "base", "greedy", ctx), GraphSpec("verify", 4, K + 1, "base", "greedy", ctx),
@@ -436,7 +436,7 @@ def test_warm_up_calls_every_compiled_graph_on_padding_rows_and_seeds_the_line(m
     counted as requests' graph calls; a dynamic engine's line starts from those call times: a
     speculative step that accepts nothing (draft + verify + the plain re-run: 7x decode here, above
     k + 1, so no acceptance pays and new requests start plain)."""
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.engine.spec.config import SpeculativeConfig
 
     ecfg, scfg = _configs()
@@ -464,11 +464,11 @@ def test_warm_up_calls_every_compiled_graph_on_padding_rows_and_seeds_the_line(m
 
 
 def test_a_failing_warm_up_is_logged_and_the_engine_serves(model_dir, reference, random_prompts, caplog):
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
 
     ecfg, scfg = _configs()
     calls: list = []
-    with caplog.at_level("WARNING", logger="trnrt.engine.engine"):
+    with caplog.at_level("WARNING", logger="trnrt.engine.core.engine"):
         engine = Engine.from_model_dir(model_dir, engine_config=ecfg, scheduler_config=scfg,
                                        compiled_loader=_fake_graphs(ecfg, calls, {}, fail=True))
     try:

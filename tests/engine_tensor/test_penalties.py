@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from trnrt.engine.logits_processors import PenaltiesProcessor
-from trnrt.engine.penalties import PenaltyState, reference_logits
+from trnrt.engine.sample.logits_processors import PenaltiesProcessor
+from trnrt.engine.sample.penalties import PenaltyState, reference_logits
 
 
 class _Row:
@@ -75,8 +75,8 @@ def test_neutral_inputs_are_the_identity_and_inactive_states_are_neutral():
 
 @pytest.mark.parametrize("sampling,temp", [("greedy", 0.0), ("full", 0.8)])
 def test_variant_step_neutral_equals_base(tiny, sampling, temp):
-    from trnrt.engine.step import GraphSpec, StepFunction, example_inputs
-    from trnrt.engine.variant_step import VariantStepFunction
+    from trnrt.engine.runner.step import GraphSpec, StepFunction, example_inputs
+    from trnrt.engine.runner.variant_step import VariantStepFunction
 
     model, cfg = tiny
     vocab = model.config.vocab_size
@@ -99,7 +99,7 @@ def test_variant_step_neutral_equals_base(tiny, sampling, temp):
 def _reference_greedy(model, cfg, prompt, n, **pen):
     """Greedy decode by full recomputation: the model's logits of the whole sequence each step
     (a fresh state, one prefill), the reference penalty formulas, argmax."""
-    from trnrt.engine.step import StepFunction
+    from trnrt.engine.runner.step import StepFunction
 
     vocab = model.config.vocab_size
     out: list[int] = []
@@ -121,7 +121,7 @@ def _reference_greedy(model, cfg, prompt, n, **pen):
 
 @pytest.fixture(scope="module")
 def engine():
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
 
     eng = Engine.from_model_dir(None, max_running_requests=4, context_length=128, penalties=True)
     yield eng
@@ -161,8 +161,8 @@ def test_engine_penalties_change_greedy_output_as_predicted(engine, tiny):
 
 
 def test_flag_off_and_unused_flag_run_base_graphs_same_tokens(tiny):
-    from trnrt.engine.model_runner import ModelRunner
-    from trnrt.engine.outputs import RowInput
+    from trnrt.engine.runner.model_runner import ModelRunner
+    from trnrt.engine.output.outputs import RowInput
 
     model, cfg = tiny
     vocab = model.config.vocab_size

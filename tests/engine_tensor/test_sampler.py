@@ -2,7 +2,7 @@
 
 import torch
 
-from trnrt.engine.sampler import SamplingTensors, sample, uniform_noise
+from trnrt.engine.sample.sampler import SamplingTensors, sample, uniform_noise
 
 
 def _st(b, temperature=1.0, top_p=1.0, top_k=10**9, min_p=0.0, seeds=None, positions=None):
@@ -39,7 +39,7 @@ def test_noise_is_uniform_and_keyed_by_seed_and_position():
 def test_noise_stays_inside_the_open_interval_at_its_extremes():
     """The top 24-bit cell once rounded to u = 1.0 (Gumbel +inf; NaN on a masked token, which
     argmax took: a grammar-masked token sampled in a CI run)."""
-    from trnrt.engine.sampler import unit_open
+    from trnrt.engine.sample.sampler import unit_open
 
     u = unit_open(torch.tensor([0, 1, (1 << 23), (1 << 24) - 2, (1 << 24) - 1]))
     assert torch.all(u > 0) and torch.all(u < 1), u.tolist()
@@ -49,7 +49,7 @@ def test_noise_stays_inside_the_open_interval_at_its_extremes():
 
 def test_a_masked_token_is_never_sampled_even_at_extreme_noise(monkeypatch):
     """Every token's noise at the top cell: the -inf (masked) tokens must still lose."""
-    import trnrt.engine.sampler as sampler
+    import trnrt.engine.sample.sampler as sampler
 
     monkeypatch.setattr(sampler, "uniform_noise", lambda seeds, positions, vocab: sampler.unit_open(
         torch.full((seeds.shape[0], vocab), (1 << 24) - 1, dtype=torch.int64)))
@@ -96,7 +96,7 @@ def test_top_k_top_p_min_p_restrict_support():
 
 
 def test_greedy_sampler_equals_full_sampler_on_greedy_rows():
-    from trnrt.engine.sampler import sample_greedy
+    from trnrt.engine.sample.sampler import sample_greedy
 
     torch.manual_seed(3)
     logits = torch.randn(6, 500)
@@ -107,7 +107,7 @@ def test_greedy_sampler_equals_full_sampler_on_greedy_rows():
 
 
 def test_top_n_two_stage_equals_topk(monkeypatch):
-    from trnrt.engine import sampler
+    from trnrt.engine.sample import sampler
 
     calls = []
     real_topk = torch.topk
@@ -132,7 +132,7 @@ def test_top_n_two_stage_equals_topk(monkeypatch):
 
 
 def test_greedy_logprobs_are_log_softmax():
-    from trnrt.engine.sampler import sample_greedy
+    from trnrt.engine.sample.sampler import sample_greedy
 
     torch.manual_seed(4)
     x = torch.randn(5, 4096) * 4

@@ -1,4 +1,4 @@
-"""trnrt.engine.threads: the engine's torch thread count (rule, precedence, per-thread effect)."""
+"""trnrt.engine.runner.threads: the engine's torch thread count (rule, precedence, per-thread effect)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from trnrt.engine import threads as th
+from trnrt.engine.runner import threads as th
 
 
 @pytest.fixture(autouse=True)
@@ -145,11 +145,11 @@ def test_count_params():
 
 def test_configure_sets_the_calling_threads_count_and_logs_one_line(worker, caplog):
     torch.set_num_threads(2)
-    with caplog.at_level(logging.INFO, logger="trnrt.engine.threads"):
+    with caplog.at_level(logging.INFO, logger="trnrt.engine.runner.threads"):
         n = worker(lambda: th.configure_engine_threads("eager", "cpu", None, model_params=1_002_240))
     assert n == 1
     assert worker(torch.get_num_threads) == 1
-    lines = [r for r in caplog.records if r.name == "trnrt.engine.threads"]
+    lines = [r for r in caplog.records if r.name == "trnrt.engine.runner.threads"]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     msg = lines[0].getMessage()
     assert "test-worker" in msg and "1 intra-op" in msg and "default" in msg and "inter-op" in msg

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from trnrt.engine.logits_processors import TokenBitmaskProcessor, bitmask_width, unpack_bitmask
+from trnrt.engine.sample.logits_processors import TokenBitmaskProcessor, bitmask_width, unpack_bitmask
 
 
 def _pack(allowed: np.ndarray) -> torch.Tensor:
@@ -63,7 +63,7 @@ def test_xgrammar_masks_unpack_to_its_own_allowed_set():
 
 
 def _step_inputs(cfg, vocab, sampling_temp):
-    from trnrt.engine.step import GraphSpec, example_inputs
+    from trnrt.engine.runner.step import GraphSpec, example_inputs
 
     x = list(example_inputs(GraphSpec("prefill", 2, 16), cfg.max_blocks_per_seq, vocab))
     x[0] = torch.randint(0, vocab, (2, 16))
@@ -78,8 +78,8 @@ def _step_inputs(cfg, vocab, sampling_temp):
 
 @pytest.mark.parametrize("sampling,temp", [("greedy", 0.0), ("full", 0.8)])
 def test_variant_step_neutral_equals_base_and_mask_constrains(tiny, sampling, temp):
-    from trnrt.engine.step import StepFunction
-    from trnrt.engine.variant_step import VariantStepFunction
+    from trnrt.engine.runner.step import StepFunction
+    from trnrt.engine.runner.variant_step import VariantStepFunction
 
     model, cfg = tiny
     vocab = model.config.vocab_size
@@ -107,8 +107,8 @@ def test_variant_step_neutral_equals_base_and_mask_constrains(tiny, sampling, te
 def test_flag_off_engine_runs_the_same_graphs(tiny):
     """Same graph keys and tokens with the flag off as an engine that has no variants at all; with
     the flag on and no grammar in any batch: the base graphs still, the same tokens."""
-    from trnrt.engine.model_runner import ModelRunner
-    from trnrt.engine.outputs import RowInput
+    from trnrt.engine.runner.model_runner import ModelRunner
+    from trnrt.engine.output.outputs import RowInput
 
     model, cfg = tiny
     vocab = model.config.vocab_size

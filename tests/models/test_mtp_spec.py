@@ -26,12 +26,12 @@ import torch
 
 from glm5_helpers import tokens
 from trnrt.config import EngineConfig
-from trnrt.engine.cache_manager import CacheManager, IdPool, cdiv
-from trnrt.engine.model_runner import ModelRunner
-from trnrt.engine.outputs import RowInput
+from trnrt.engine.cache.cache_manager import CacheManager, IdPool, cdiv
+from trnrt.engine.runner.model_runner import ModelRunner
+from trnrt.engine.output.outputs import RowInput
 from trnrt.engine.request import SamplingParams
-from trnrt.engine.sampler import SamplingTensors, sample
-from trnrt.engine.sequence import Sequence
+from trnrt.engine.sample.sampler import SamplingTensors, sample
+from trnrt.engine.output.sequence import Sequence
 from trnrt.engine.spec.decoder import SpecDecoder
 from trnrt.engine.spec.drafter import Drafter, MTPDrafter
 from trnrt.engine.spec.oracle import OracleDrafter
@@ -511,7 +511,7 @@ def test_rejection_test_has_power():
 
 def test_sampled_rule_is_seeded_per_row_and_its_bonus_is_the_samplers_token():
     """A row's outcome depends on its own (seed, position) only (alone = batched), and after a
-    full acceptance the bonus token is the one trnrt.engine.sampler.sample picks from the same
+    full acceptance the bonus token is the one trnrt.engine.sample.sampler.sample picks from the same
     logits, seed and position."""
     g = torch.Generator().manual_seed(3)
     B, K, Vs = 16, 3, 64

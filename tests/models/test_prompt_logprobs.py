@@ -1,4 +1,4 @@
-"""Prompt logprobs (trnrt.engine.prompt_logprobs) against transformers, fp32, tiny checkpoint.
+"""Prompt logprobs (trnrt.engine.runner.prompt_logprobs) against transformers, fp32, tiny checkpoint.
 
 Every prompt position's logprob of the next prompt token, and its top-N, equal transformers'
 log-softmax of its own logits within 1e-4: in one prefill chunk and in two chunks (the first
@@ -13,8 +13,8 @@ import torch
 
 from glm5_helpers import Driver, hf_oneshot, tokens
 
-from trnrt.engine.prompt_logprobs import PromptLogprobsStepFunction
-from trnrt.engine.step import StepFunction
+from trnrt.engine.runner.prompt_logprobs import PromptLogprobsStepFunction
+from trnrt.engine.runner.step import StepFunction
 
 TOL = 1e-4
 N_TOP = 5
@@ -106,8 +106,8 @@ def _engine(tiny_dir, budget: int, **flags):
     import dataclasses
 
     from trnrt.config import EngineConfig
-    from trnrt.engine.engine import Engine, resolve_configs
-    from trnrt.engine.cache_config import PrefixCacheConfig
+    from trnrt.engine.core.engine import Engine, resolve_configs
+    from trnrt.engine.cache.cache_config import PrefixCacheConfig
 
     ecfg = EngineConfig(max_model_len=256, decode_batch_buckets=(1, 4), prefill_token_buckets=(16,), num_blocks=80,
                         num_slots=6, max_top_logprobs=N_TOP, block_size=8)
@@ -171,8 +171,8 @@ def test_runner_one_token_prompt_chunk_runs_the_prompt_graph(engine_dir, hf_mode
     """A one-token chunk inside a prompt (a step budget can leave one token) still scores its
     position: the runner sends it to the prefill graph, not the decode graph."""
     from trnrt.config import EngineConfig
-    from trnrt.engine.model_runner import ModelRunner
-    from trnrt.engine.outputs import RowInput
+    from trnrt.engine.runner.model_runner import ModelRunner
+    from trnrt.engine.output.outputs import RowInput
     from trnrt.models.glm5_next.weights import load_model
 
     ids = tokens(13, 24)
@@ -196,7 +196,7 @@ def test_runner_one_token_prompt_chunk_runs_the_prompt_graph(engine_dir, hf_mode
 
 
 def test_engine_prompt_logprobs_start_and_flag_off(engine_dir):
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.engine.request import GenerateRequest, InvalidRequestError, SamplingParams
 
     ids = tokens(12, 20)

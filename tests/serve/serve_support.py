@@ -42,7 +42,7 @@ def record_engine_kwargs(monkeypatch) -> dict:
     usage-error path: `trnrt serve` exits 2 without starting a server). Returns the record. The
     engine is built in this process (the patch does not reach an engine process)."""
     import trnrt.cli.serve as serve_mod
-    from trnrt.engine import engine as engine_mod
+    from trnrt.engine.core import engine as engine_mod
 
     monkeypatch.setattr(serve_mod, "use_engine_process", lambda args: False)
 
@@ -121,9 +121,9 @@ def make_scripted_engine(tokenizer_factory, **kw):
     Engine.scripted (step_delay_s, max_running_requests, max_model_len, ...); its runner is
     `engine.runner` (`.paused` holds the engine inside a step) and `engine.submitted` holds the
     last submitted GenerateRequests."""
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
 
-    from trnrt.engine.cache_config import PrefixCacheConfig
+    from trnrt.engine.cache.cache_config import PrefixCacheConfig
 
     tok = tokenizer_factory()
     kw.setdefault("max_model_len", 1024)
@@ -136,14 +136,14 @@ def make_scripted_engine(tokenizer_factory, **kw):
 def make_real_engine():
     """Return an EngineClient for the tiny model, or None to skip the "real" runs.
 
-    Wire when trnrt.engine.engine lands, e.g.:
-        from trnrt.engine.engine import Engine
+    Wire when trnrt.engine.core.engine lands, e.g.:
+        from trnrt.engine.core.engine import Engine
         from trnrt.models.tiny import default_model_dir
         return Engine.from_model_dir(default_model_dir(), max_running_requests=64)
     The server then uses the model dir's own tokenizer (see `any_server`).
     """
-    from trnrt.engine.cache_config import PrefixCacheConfig
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.cache.cache_config import PrefixCacheConfig
+    from trnrt.engine.core.engine import Engine
     from trnrt.models.tiny import default_model_dir
 
     # the radix cache is on, as under `trnrt serve`

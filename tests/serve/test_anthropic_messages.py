@@ -549,7 +549,7 @@ def test_error_envelope_mapping():
 def test_renderer_same_blocks_however_the_output_is_cut(tokenizer):
     """Text before and after a call, in one merged output (non-streamed) or token by token: the
     same blocks in the same order (thinking, text, tool_use, text), whitespace trimmed."""
-    from trnrt.engine.outputs import RequestOutput
+    from trnrt.engine.output.outputs import RequestOutput
     from trnrt.engine.request import FinishReason
     from trnrt.serve.http.state import TokenizerInfo
     from trnrt.serve.output.anthropic import MessagesRenderer

@@ -171,7 +171,7 @@ def test_loads_prefix_cache_section(servers):
 
 
 def test_loads_without_a_prefix_cache_has_no_section():
-    from trnrt.engine.client import EngineLoad
+    from trnrt.engine.core.client import EngineLoad
     from trnrt.serve.output.loads import load_entry, select
 
     entry = load_entry(EngineLoad(page_size=16, num_cached_pages=5).to_dict())

@@ -32,7 +32,7 @@ def test_stream_interval_reaches_the_engine_and_is_validated(monkeypatch):
     from typer.testing import CliRunner
 
     from trnrt.cli import app, serve as serve_cli
-    from trnrt.engine import engine as engine_mod
+    from trnrt.engine.core import engine as engine_mod
 
     seen = record_engine_kwargs(monkeypatch)
     r = CliRunner().invoke(app, ["serve", "--stream-interval", "4"])
@@ -169,7 +169,7 @@ def test_bad_log_level_is_usage_error(monkeypatch):
 
     import trnrt.cli.serve as serve_mod
     from trnrt.cli import app
-    from trnrt.engine import engine as engine_mod
+    from trnrt.engine.core import engine as engine_mod
 
     built = []
 

@@ -26,7 +26,7 @@ def captured(monkeypatch):
     """Engine.from_model_dir replaced: records its keywords, then stops the CLI (exit 2). Built in
     this process (the patch does not reach an engine process)."""
     import trnrt.cli.serve as serve_mod
-    from trnrt.engine import engine as engine_mod
+    from trnrt.engine.core import engine as engine_mod
 
     monkeypatch.setattr(serve_mod, "use_engine_process", lambda args: False)
 
@@ -77,8 +77,8 @@ def test_bad_values_are_usage_errors(captured, args, flag, text):
 
 
 def test_flags_reach_the_engine(captured):
-    from trnrt.engine.cache_config import PrefixCacheConfig
-    from trnrt.engine.scheduler import SchedulerConfig
+    from trnrt.engine.cache.cache_config import PrefixCacheConfig
+    from trnrt.engine.sched.scheduler import SchedulerConfig
 
     r = invoke("--checkpoint-interval", "64", "--num-checkpoints", "12", "--radix-eviction-policy", "slru",
                "--radix-eviction-policy-config", '{"protected_threshold": 4}', "--enable-hicache",
@@ -102,7 +102,7 @@ def test_flags_reach_the_engine(captured):
 
 def test_defaults_are_sglangs(captured):
     from trnrt.cli.serve import ServeArgs
-    from trnrt.engine.cache_config import PrefixCacheConfig
+    from trnrt.engine.cache.cache_config import PrefixCacheConfig
 
     r = invoke()
     assert r.exit_code == 2 and "stop here" in r.output, r.output

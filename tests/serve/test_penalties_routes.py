@@ -23,7 +23,7 @@ CHAT, COMP, GEN = "/v1/chat/completions", "/v1/completions", "/generate"
 
 @pytest.fixture(scope="module")
 def pen_server():
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.models.tiny import default_model_dir
     from trnrt.serve import ServeSettings, hf_tokenizer_factory
 
@@ -100,7 +100,7 @@ def test_without_the_flag_a_penalty_is_a_400_naming_the_flag(scripted_server, pa
 @pytest.fixture(scope="module")
 def scripted_pen(tokenizer_factory):
     """A scripted engine with --penalties: the script says `ab STOP cd STOP ef` then EOS."""
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.serve import ServeSettings
 
     tok = tokenizer_factory()

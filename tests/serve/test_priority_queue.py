@@ -60,7 +60,7 @@ def plain(tokenizer_factory):
 
 def queue_engine(tokenizer_factory, **sched):
     """A scripted engine running one request at a time, with SchedulerConfig changes `sched`."""
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
 
     tok = tokenizer_factory()
     e = Engine.scripted(tok, make_script(tok), eos_token_ids=eos_ids(tok), max_running_requests=1,
@@ -257,7 +257,7 @@ class RefusingEngine:
         return getattr(self._e, name)
 
     def submit_many(self, reqs):
-        from trnrt.engine.outputs import RequestOutput
+        from trnrt.engine.output.outputs import RequestOutput
         from trnrt.engine.request import FinishReason
 
         fake = ("qfull", "displaced", "midabort")

@@ -27,7 +27,7 @@ MSGS = [{"role": "user", "content": "hi there"}]
 
 
 def _server(tokenizer_factory, **settings):
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.serve import ServeSettings
 
     tok = tokenizer_factory()
@@ -46,7 +46,7 @@ def plp_server(tokenizer_factory):
 # --- expected values ------------------------------------------------------------------------------
 def lp_at(p: int) -> float:
     """The scripted logprob of the prompt token at position p (p >= 1)."""
-    from trnrt.engine.scripted_runner import ScriptedRunner
+    from trnrt.engine.runner.scripted_runner import ScriptedRunner
 
     return ScriptedRunner.prompt_logprob(p - 1)
 

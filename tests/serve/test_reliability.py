@@ -144,7 +144,7 @@ def stop_ok(v) -> bool:
 def stop_regex_ok(v) -> bool:
     """SGLang's stop_regex: a pattern or up to 32, each one RE2 runs (the engine's own check)."""
     from trnrt.engine.request import InvalidRequestError
-    from trnrt.engine.stop import compile_stop_regex
+    from trnrt.engine.output.stop import compile_stop_regex
 
     if v is None or v == "":
         return True

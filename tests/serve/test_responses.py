@@ -34,8 +34,8 @@ STORE_DISABLED = ("Response store is disabled. Stateful Responses require --enab
 
 
 def scripted_engine(tokenizer_factory, **kw):
-    from trnrt.engine.cache_config import PrefixCacheConfig
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.cache.cache_config import PrefixCacheConfig
+    from trnrt.engine.core.engine import Engine
 
     tok = tokenizer_factory()
     base = make_script(tok)

@@ -76,8 +76,8 @@ MAX_TOKENS = 200
 
 @pytest.fixture(scope="module")
 def so_server():
-    from trnrt.engine.cache_config import PrefixCacheConfig
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.cache.cache_config import PrefixCacheConfig
+    from trnrt.engine.core.engine import Engine
     from trnrt.models.tiny import default_model_dir
     from trnrt.serve import ServeSettings, hf_tokenizer_factory
 
@@ -248,7 +248,7 @@ def test_flag_off_is_a_400_naming_the_flag(scripted_server):
 def test_reasoning_on_grammar_applies_after_think(tokenizer_factory):
     """A scripted model reasons freely, emits </think>, then answers: the reasoning is untouched,
     the answer is forced into the schema (the script's answer is not JSON)."""
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.serve import ServeSettings
 
     tok = tokenizer_factory()

@@ -51,7 +51,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.models.tiny import default_model_dir
     from trnrt.serve import ServeSettings, hf_tokenizer_factory
 
@@ -167,7 +167,7 @@ def test_required_and_named_give_exactly_one_valid_call(server):
 
 
 def test_the_flag_off_names_it_and_bad_choices_name_the_field(server):
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.models.tiny import default_model_dir
     from trnrt.serve import ServeSettings, hf_tokenizer_factory
 

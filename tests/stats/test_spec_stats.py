@@ -216,7 +216,7 @@ def test_top_line_only_when_enabled(clock):
 
 
 def test_engine_load_carries_the_summary_and_loads_has_the_section(clock):
-    from trnrt.engine.client import EngineLoad
+    from trnrt.engine.core.client import EngineLoad
     from trnrt.serve.output.loads import load_entry, select, to_prometheus as loads_prometheus
 
     assert "speculative" not in load_entry(EngineLoad().to_dict())  # off: left out, as SGLang

@@ -88,7 +88,7 @@ class RealServer:
 
 @pytest.fixture(scope="session")
 def real_server():
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.models.tiny import default_model_dir
     from trnrt.serve import ServeSettings, create_app, get_state, hf_tokenizer_factory
     from trnrt.serve.server import make_server

@@ -18,7 +18,7 @@ OUT = 60
 @pytest.fixture(scope="module")
 def small_engine():
     from trnrt.config.presets import load_preset
-    from trnrt.engine.engine import Engine
+    from trnrt.engine.core.engine import Engine
     from trnrt.models.tiny import default_model_dir
 
     # 23 usable pages of 16 tokens; four 160-token requests need 40: preemption is certain.

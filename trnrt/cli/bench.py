@@ -1,6 +1,6 @@
 """`trnrt bench`: offline prefill / decode throughput, optionally against transformers.
 
-The measuring lives in trnrt.engine.bench.run_bench (see its module doc for what is timed); this
+The measuring lives in trnrt.benchmark.engine_bench.run_bench (see its module doc for what is timed); this
 module parses options, draws the progress bar and prints. Nothing heavy is imported at module level.
 """
 
@@ -75,7 +75,7 @@ def bench(
             _fail(f"{', '.join(given)}: an option of the offline `trnrt bench`; "
                   f"give `{ctx.invoked_subcommand}`'s options after `{ctx.invoked_subcommand}`")
         return
-    from trnrt.engine.bench import BenchError, check_bench_args
+    from trnrt.benchmark.engine_bench import BenchError, check_bench_args
 
     try:
         check_bench_args(batch, input_len, output_len, num_prompts)
@@ -95,7 +95,7 @@ def bench(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from trnrt.engine.bench import run_bench
+    from trnrt.benchmark.engine_bench import run_bench
 
     # The bar goes to stderr so that --json output on stdout stays one clean object. It is redrawn
     # only when a stage ends: rich's auto-refresh thread wakes 10 times a second and takes the GIL

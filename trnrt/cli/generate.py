@@ -212,7 +212,7 @@ def generate(
     except InputError as e:
         _fail(str(e))
 
-    from trnrt.engine.llm import LLM
+    from trnrt.engine.core.llm import LLM
 
     try:
         llm = LLM(model)

@@ -71,7 +71,7 @@ class ServeArgs:
     # Prompt logprobs: completions echo + logprobs, vLLM prompt_logprobs, SGLang logprob_start_len
     # (the "prompt_logprobs" prefill variant graphs)
     prompt_logprobs: bool = False
-    # The engine core in its own process (trnrt.engine.mp_client); None: yes for the model, no
+    # The engine core in its own process (trnrt.engine.core.mp_client); None: yes for the model, no
     # for --scripted (the API tests' engine)
     engine_process: bool | None = None
     # Speculative decoding (SGLang's --speculative-* names, vLLM's --speculative-config JSON)
@@ -144,7 +144,7 @@ class ServeArgs:
 
     def prefix_cache_config(self):
         """The PrefixCacheConfig these options give (the radix cache is on unless disabled, as in SGLang)."""
-        from trnrt.engine.cache_config import PrefixCacheConfig
+        from trnrt.engine.cache.cache_config import PrefixCacheConfig
 
         return PrefixCacheConfig(
             enabled=not self.disable_radix_cache, checkpoint_interval=self.checkpoint_interval,
@@ -158,7 +158,7 @@ class ServeArgs:
 QUEUE_OVERFLOW_HEADROOM = 8
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 PRIORITY_POLICIES = ("fcfs", "lof")
-EVICTION_POLICIES = ("lru", "lfu", "slru", "priority", "tlru")  # = trnrt.engine.cache_config's
+EVICTION_POLICIES = ("lru", "lfu", "slru", "priority", "tlru")  # = trnrt.engine.cache.cache_config's
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 # SGLang's startup errors, word for word.
 PRIORITY_POLICY_MESSAGE = "To use priority scheduling, schedule_policy must be 'fcfs' or 'lof'."
@@ -294,14 +294,14 @@ def use_engine_process(args: ServeArgs) -> bool:
 
 def start_engine(args: ServeArgs):
     """The EngineClient `trnrt serve` runs: the engine of `build_engine(args)`, in a process of its
-    own (trnrt.engine.mp_client.MPEngineClient: the HTTP threads and the engine thread then never
+    own (trnrt.engine.core.mp_client.MPEngineClient: the HTTP threads and the engine thread then never
     share a GIL) when `use_engine_process(args)`, else in this process. Returns (engine,
     tokenizer_factory); raises what building the engine raised (its own type, from either process)."""
     if not use_engine_process(args):
         return build_engine(args)
     import logging
 
-    from trnrt.engine.mp_client import MPEngineClient
+    from trnrt.engine.core.mp_client import MPEngineClient
     from trnrt.serve import hf_tokenizer_factory
 
     import threading
@@ -331,7 +331,7 @@ def start_engine(args: ServeArgs):
 
 
 def engine_core_factory(args: ServeArgs):
-    """The engine process's factory (trnrt.engine.core_proc): `build_engine(args)` over there."""
+    """The engine process's factory (trnrt.engine.core.core_proc): `build_engine(args)` over there."""
     engine, _ = build_engine(args)
     return engine
 
@@ -343,7 +343,7 @@ def build_engine(args: ServeArgs):
     --tokenizer-path or the model directory (one instance per waitress thread).
 
     HOOK: the real engine is wired here (`Engine.from_model_dir(model_dir, ...)`); it must satisfy
-    trnrt.engine.client.EngineClient. `--scripted` serves the same Engine with a scripted runner
+    trnrt.engine.core.client.EngineClient. `--scripted` serves the same Engine with a scripted runner
     in place of the model (`Engine.scripted` with `echo_script`; only a tokenizer is read).
     """
     from trnrt.serve import hf_tokenizer_factory
@@ -353,8 +353,8 @@ def build_engine(args: ServeArgs):
     if args.scripted:
         import dataclasses
 
-        from trnrt.engine.engine import Engine
-        from trnrt.engine.scripted_runner import echo_script
+        from trnrt.engine.core.engine import Engine
+        from trnrt.engine.runner.scripted_runner import echo_script
 
         kw = {}
         if _accepts(Engine.scripted, "prefix_cache_config"):
@@ -366,7 +366,7 @@ def build_engine(args: ServeArgs):
                       submit_log_size=0, structured_outputs=args.structured_outputs,
                       penalties=args.penalties, prompt_logprobs=args.prompt_logprobs)
         if _accepts(Engine.scripted, "scheduler_config"):
-            from trnrt.engine.engine import resolve_configs
+            from trnrt.engine.core.engine import resolve_configs
 
             _, scfg = resolve_configs(None, preset="default", max_running_requests=args.max_running_requests,
                                       context_length=max_model_len)
@@ -380,11 +380,11 @@ def build_engine(args: ServeArgs):
             engine.startup_time_s = 0.0
         return engine, tokenizer_factory
     try:
-        from trnrt.engine.engine import Engine  # the real engine (written against the same contract)
+        from trnrt.engine.core.engine import Engine  # the real engine (written against the same contract)
     except ModuleNotFoundError as e:
-        if e.name != "trnrt.engine.engine":
+        if e.name != "trnrt.engine.core.engine":
             raise
-        typer.echo("trnrt serve: the engine (trnrt.engine.engine) is not available in this build", err=True)
+        typer.echo("trnrt serve: the engine (trnrt.engine.core.engine) is not available in this build", err=True)
         raise typer.Exit(1)
 
     loader = None
@@ -398,7 +398,7 @@ def build_engine(args: ServeArgs):
 
     import dataclasses
 
-    from trnrt.engine.engine import resolve_configs
+    from trnrt.engine.core.engine import resolve_configs
 
     # The scheduler config from_model_dir would resolve, with the scheduling options on top.
     _, scfg = resolve_configs(None, preset=args.preset, max_running_requests=args.max_running_requests,
@@ -619,7 +619,7 @@ def serve(
         raise typer.BadParameter("must be a JSON object", param_hint="--default-chat-template-kwargs")
     api_key = _resolve_api_key(api_key, api_key_file)
     try:
-        from trnrt.engine.cache_config import PrefixCacheConfig
+        from trnrt.engine.cache.cache_config import PrefixCacheConfig
 
         policy_config = PrefixCacheConfig.parse_policy_config(radix_eviction_policy_config)
     except ValueError as e:
@@ -663,7 +663,7 @@ def serve(
         typer.secho(f"error: {e}", err=True, fg="red")
         raise typer.Exit(2)
     except RuntimeError as e:
-        from trnrt.engine.grammar import GrammarUnavailableError
+        from trnrt.engine.sample.grammar import GrammarUnavailableError
 
         if not isinstance(e, GrammarUnavailableError):
             raise

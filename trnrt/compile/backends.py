@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from trnrt.config.engine_config import EngineConfig
-from trnrt.engine.step import GraphSpec
+from trnrt.engine.runner.step import GraphSpec
 
 from . import inductor_memo
 from .export import (ExportedGraph, eager_callable, graph_model_state, model_constants, state_tensors,

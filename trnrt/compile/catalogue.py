@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 
 from trnrt.config.engine_config import EngineConfig
 from trnrt.engine.spec.config import SpeculativeFlagError, check_speculative_flags  # noqa: F401 (re-exported)
-from trnrt.engine.step import SAMPLERS, STEP_OUTPUT_NAMES, GraphSpec
+from trnrt.engine.runner.step import SAMPLERS, STEP_OUTPUT_NAMES, GraphSpec
 
 BASE_VARIANT = "base"
 PHASES = ("decode", "prefill")  # the plain phases; "verify", "draft", "spec_prefill" with speculative_num_steps
@@ -58,12 +58,12 @@ class VariantDef:
 
 
 # Flag sets -> definitions registered explicitly (tests); every other flag set whose flags all
-# have a logits processor (trnrt.engine.logits_processors) is derived from them on first use.
+# have a logits processor (trnrt.engine.sample.logits_processors) is derived from them on first use.
 _VARIANTS: dict[frozenset[str], VariantDef] = {}
 # Flags the command line accepts; a known flag without a registered variant is reported as such.
 KNOWN_FLAGS = ("structured_outputs", "penalties", "prompt_logprobs")
 # the output flag (its own prefill graphs, see the module docstring), and the variant naming rule
-from trnrt.engine.logits_processors import PROMPT_LOGPROBS, processor_flags, variant_name  # noqa: E402
+from trnrt.engine.sample.logits_processors import PROMPT_LOGPROBS, processor_flags, variant_name  # noqa: E402
 
 
 def register_variant(flags: Iterable[str], phases: Iterable[str], make_step: Callable,
@@ -96,10 +96,10 @@ def get_variant(name_or_flags) -> VariantDef:
 
 def _processor_variant(fs: frozenset[str]) -> VariantDef | None:
     """The superset variant of `fs` built from the flags' logits processors: the base step with
-    every processor of the set chained before the sampler (trnrt.engine.variant_step), on the
+    every processor of the set chained before the sampler (trnrt.engine.runner.variant_step), on the
     union of their phases. None when a flag has no processor."""
-    from trnrt.engine import logits_processors as lp
-    from trnrt.engine.variant_step import VariantStepFunction, extra_example_inputs, extra_input_names
+    from trnrt.engine.sample import logits_processors as lp
+    from trnrt.engine.runner.variant_step import VariantStepFunction, extra_example_inputs, extra_input_names
 
     if not fs or any(lp.processor(f) is None for f in fs):
         return None
@@ -120,8 +120,8 @@ def _processor_variant(fs: frozenset[str]) -> VariantDef | None:
 def _prompt_variant(fs: frozenset[str]) -> VariantDef | None:
     """The prompt-logprobs prefill variant of `fs`: the prefill step with all-position logprobs,
     carrying the other flags' processors. None when one of them has no processor."""
-    from trnrt.engine import logits_processors as lp
-    from trnrt.engine.prompt_logprobs import (PROMPT_OUTPUT_NAMES, PromptLogprobsStepFunction,
+    from trnrt.engine.sample import logits_processors as lp
+    from trnrt.engine.runner.prompt_logprobs import (PROMPT_OUTPUT_NAMES, PromptLogprobsStepFunction,
                                               prompt_extra_example_inputs, prompt_extra_input_names)
 
     others = fs - {PROMPT_LOGPROBS}

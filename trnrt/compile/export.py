@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from trnrt.config.engine_config import EngineConfig
-from trnrt.engine.step import STEP_INPUT_NAMES, STEP_OUTPUT_NAMES, GraphSpec, StepFunction, example_inputs
+from trnrt.engine.runner.step import STEP_INPUT_NAMES, STEP_OUTPUT_NAMES, GraphSpec, StepFunction, example_inputs
 
 from .catalogue import BASE_VARIANT, get_variant
 from .torch_warnings import quiet_torch_leafspec_warning

@@ -18,7 +18,7 @@ import torch
 
 from trnrt.config.engine_config import EngineConfig
 from trnrt.config.presets import graph_settings, preset_hash
-from trnrt.engine.step import GraphSpec
+from trnrt.engine.runner.step import GraphSpec
 
 from .backends import get_backend
 from .catalogue import expand

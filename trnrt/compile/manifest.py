@@ -125,7 +125,7 @@ class Manifest:
 
 # Source files that define the step graphs. If none changed (and torch did not), the graphs did
 # not change, so load_compiled can trust the recorded graph hashes without re-exporting.
-_GRAPH_SOURCES = ("models/glm5_next", "engine/step.py", "engine/sampler.py", "compile/export.py",
+_GRAPH_SOURCES = ("models/glm5_next", "engine/runner/step.py", "engine/sample/sampler.py", "compile/export.py",
                   "compile/catalogue.py", "compile/graph_hash.py")
 
 

@@ -51,16 +51,16 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
-    # SGLang's stop_regex: pattern strings, compiled by validate() into trnrt.engine.stop.StopRegex
+    # SGLang's stop_regex: pattern strings, compiled by validate() into trnrt.engine.output.stop.StopRegex
     # (RE2, cached) on the caller's thread, never on the engine thread.
     stop_regex: list = field(default_factory=list)
     # Keep the matched stop string / regex match / stop token's text (vLLM's
     # include_stop_str_in_output, SGLang's no_stop_trim).
     include_stop_str_in_output: bool = False
-    # Structured output (trnrt.engine.grammar_spec.GrammarSpec); None: unconstrained. Needs an
+    # Structured output (trnrt.engine.sample.grammar_spec.GrammarSpec); None: unconstrained. Needs an
     # engine started with structured outputs (the "structured_outputs" variant graphs).
     grammar: object = None
-    # Penalties (SGLang's / vLLM's definitions; trnrt.engine.penalties). Any non-neutral value, a
+    # Penalties (SGLang's / vLLM's definitions; trnrt.engine.sample.penalties). Any non-neutral value, a
     # logit_bias or min_new_tokens > 0 needs an engine started with penalties (the "penalties"
     # variant graphs). repetition_penalty counts prompt and output tokens, frequency/presence
     # output tokens only (vLLM).
@@ -124,7 +124,7 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 bad("stop", "must be a non-empty string or a list of non-empty strings")
         if self.stop_regex:
-            from trnrt.engine.stop import MAX_STOP_REGEX, StopRegex, compile_stop_regex
+            from trnrt.engine.output.stop import MAX_STOP_REGEX, StopRegex, compile_stop_regex
 
             if len(self.stop_regex) > MAX_STOP_REGEX:
                 bad("stop_regex", f"accepts at most {MAX_STOP_REGEX} patterns")
@@ -224,7 +224,7 @@ class GenerateRequest:
     arrival_time_s: float | None = None
     # True: the client reads outputs as they come (every `stream_interval`-th step, SSE); False:
     # only the final output matters, delivered once, merged (a non-streamed HTTP response, offline
-    # generate). Same tokens and text either way; see trnrt.engine.stream.
+    # generate). Same tokens and text either way; see trnrt.engine.output.stream.
     stream: bool = True
     # Outputs per delivery for a streamed request (SGLang's sampling_params.stream_interval);
     # None: the engine's --stream-interval.
@@ -242,10 +242,10 @@ class GenerateRequest:
     # different values never share cached state. None: the default namespace.
     cache_salt: str | None = None
     # Set by Engine.submit when sampling_params.grammar is set: the request's compiled grammar
-    # and matcher (trnrt.engine.grammar.GrammarState), handed to the engine thread with the request.
+    # and matcher (trnrt.engine.sample.grammar.GrammarState), handed to the engine thread with the request.
     grammar_state: object = field(default=None, repr=False, compare=False)
     # Set by Engine.submit, handed to the engine thread like grammar_state: the request's
-    # PenaltyState (trnrt.engine.penalties) and ThinkingBudget (trnrt.engine.thinking_budget).
+    # PenaltyState (trnrt.engine.sample.penalties) and ThinkingBudget (trnrt.engine.sample.thinking_budget).
     penalty_state: object = field(default=None, repr=False, compare=False)
     thinking_state: object = field(default=None, repr=False, compare=False)
 

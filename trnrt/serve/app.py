@@ -12,7 +12,7 @@ from typing import Callable
 
 import falcon
 
-from trnrt.engine.client import EngineClient
+from trnrt.engine.core.client import EngineClient
 from trnrt.serve import dashboard
 from trnrt.serve.handlers import admin, anthropic, generate, info, openai, tokenize
 from trnrt.serve.handlers import responses as responses_api
@@ -33,7 +33,7 @@ def create_app(engine_client: EngineClient, tokenizer_factory: Callable[[], obje
     """Build the WSGI app.
 
     Args:
-        engine_client: anything satisfying trnrt.engine.client.EngineClient.
+        engine_client: anything satisfying trnrt.engine.core.client.EngineClient.
         tokenizer_factory: returns a fresh HF tokenizer; called once per waitress thread.
         settings: ServeSettings (defaults if None).
 

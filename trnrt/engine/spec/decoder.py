@@ -32,8 +32,8 @@ from typing import Sequence
 
 import torch
 
-from trnrt.engine.cache_manager import IdPool, cdiv
-from trnrt.engine.outputs import RowInput
+from trnrt.engine.cache.cache_manager import IdPool, cdiv
+from trnrt.engine.output.outputs import RowInput
 from trnrt.engine.spec.drafter import Drafter
 from trnrt.engine.spec.prefill import prefill_chunk
 from trnrt.engine.spec.rollback import SlotSnapshots, rerun_row
@@ -74,7 +74,7 @@ class SpecDecoder:
         """The runner's compiled verify graph of this shape, or None (run eagerly). An all-greedy
         batch takes the greedy rule's graph, or the full rule's where only that one was compiled
         (the same tokens and state for greedy rows)."""
-        from trnrt.engine.step import GraphSpec
+        from trnrt.engine.runner.step import GraphSpec
 
         compiled = getattr(self.runner, "compiled", None) or {}
         full = compiled.get(GraphSpec("verify", batch, self.k + 1, "base", "full", context))

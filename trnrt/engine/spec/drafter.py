@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from trnrt.engine.outputs import RowInput
+from trnrt.engine.output.outputs import RowInput
 
 
 class Drafter:
@@ -162,7 +162,7 @@ class MTPDrafter(Drafter):
     def _draft_fn(self, batch: int, k: int, context: int):
         """The compiled draft graph of this shape, else the same step eagerly (one per k)."""
         from trnrt.engine.spec.draft_step import DraftFunction, DraftModel
-        from trnrt.engine.step import GraphSpec
+        from trnrt.engine.runner.step import GraphSpec
 
         compiled = (getattr(self.runner, "compiled", None) or {}).get(
             GraphSpec("draft", batch, k + 1, "base", "greedy", context))

@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from trnrt.engine.outputs import RowInput
+from trnrt.engine.output.outputs import RowInput
 from trnrt.engine.spec.drafter import Drafter
 
 

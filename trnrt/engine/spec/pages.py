@@ -9,8 +9,8 @@ The look-ahead pages are ordinary pages of the sequence (CacheManager-owned, fre
 
 from __future__ import annotations
 
-from trnrt.engine.cache_manager import CacheManager
-from trnrt.engine.sequence import Sequence
+from trnrt.engine.cache.cache_manager import CacheManager
+from trnrt.engine.output.sequence import Sequence
 
 
 def lookahead_tokens(num_computed: int, k: int) -> int:

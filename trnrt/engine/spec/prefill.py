@@ -1,7 +1,7 @@
 """The target prefill of a speculative sequence: the runner's prefill, keeping every position's
 hidden state for the drafter.
 
-`SpecPrefillFunction` is the prefill step function (trnrt.engine.step.StepFunction, full
+`SpecPrefillFunction` is the prefill step function (trnrt.engine.runner.step.StepFunction, full
 sampler) whose forward also returns the final hidden state of every fed position: the catalogue's
 `spec_prefill` graph (one per prefill token bucket x context, as the plain prefill graphs), which
 `prefill_chunk` runs compiled where the runner loaded it and eagerly otherwise. The state it
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from trnrt.engine.outputs import RowInput
-from trnrt.engine.step import STEP_OUTPUT_NAMES, GraphSpec, StepFunction
+from trnrt.engine.output.outputs import RowInput
+from trnrt.engine.runner.step import STEP_OUTPUT_NAMES, GraphSpec, StepFunction
 
 SPEC_PREFILL_OUTPUT_NAMES = STEP_OUTPUT_NAMES + ("hidden",)
 

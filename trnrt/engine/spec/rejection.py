@@ -9,14 +9,14 @@ position draft j + 1 (1-based) claims. `accept` decides, per row:
   accepted, at row k: the bonus token). So the output is exactly greedy decoding's.
 * sampled rows: standard speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023).
   With p the target's distribution after temperature / top-k / top-p / min-p (the same filters as
-  trnrt.engine.sampler.sample) and q the drafter's, draft x is accepted with probability
+  trnrt.engine.sample.sampler.sample) and q the drafter's, draft x is accepted with probability
   min(1, p(x) / q(x)); at the first rejection the token is drawn from norm(max(0, p - q)); after k
   acceptances the bonus is drawn from p. Every emitted token is then distributed exactly as p.
   A deterministic drafter (the oracle, greedy MTP drafts) has a one-hot q: accept with
   probability p(x), on rejection draw from p without x.
 
 Randomness is counter-based, keyed by (seed, position) like the sampler's
-(`trnrt.engine.sampler.uniform_noise`), so a row's outcome does not depend on what else is in the
+(`trnrt.engine.sample.sampler.uniform_noise`), so a row's outcome does not depend on what else is in the
 batch: the acceptance test of position t uses one uniform of a salted seed, the draw at t uses
 the sampler's own Gumbel noise of (seed, t). Hence the bonus token after full acceptance is the
 token `sample` would pick from the same logits.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from trnrt.engine.sampler import uniform_noise
+from trnrt.engine.sample.sampler import uniform_noise
 
 # XORed into a row's seed for the acceptance uniforms: a stream apart from the sampler's noise
 # of the same (seed, position), which keys the residual / bonus draws.
@@ -42,7 +42,7 @@ def filtered_scores(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
 
     logits [N, V]; temperature / top_p / min_p [N] fp32, top_k [N] int64 (>= 1; V = off).
     Greedy rows (temperature <= 0) are scaled by 1 (as the sampler does; callers use the argmax).
-    Same arithmetic as trnrt.engine.sampler.sample, step for step.
+    Same arithmetic as trnrt.engine.sample.sampler.sample, step for step.
     """
     logits = logits.float()
     vocab = logits.shape[-1]
@@ -101,7 +101,7 @@ def accept(logits: torch.Tensor, draft_ids: torch.Tensor, temperature: torch.Ten
     """Greedy rows by the greedy rule, sampled rows by rejection sampling (module doc).
 
     logits [B, K+1, V] (row j: the token at positions + j); draft_ids [B, K] int64; per-row
-    sampling tensors [B] as in trnrt.engine.sampler.SamplingTensors; positions [B] int64: the
+    sampling tensors [B] as in trnrt.engine.sample.sampler.SamplingTensors; positions [B] int64: the
     position of the token logits row 0 predicts (start_pos + 1, the sampler's sample_pos);
     num_drafts [B]: valid drafts per row (a row with fewer draws its next token from p at
     num_drafts, as after a full acceptance; None: all K); draft_probs [B, K, V]: the drafter's q

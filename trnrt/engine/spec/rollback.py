@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from trnrt.engine.cache_manager import IdPool
-from trnrt.engine.outputs import CacheOp, RowInput
+from trnrt.engine.cache.cache_manager import IdPool
+from trnrt.engine.output.outputs import CacheOp, RowInput
 
 
 class SlotSnapshots:

@@ -33,14 +33,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from trnrt.engine.cache_manager import IdPool
-from trnrt.engine.model_runner import ModelRunner
-from trnrt.engine.outputs import RowInput, RowResult
+from trnrt.engine.cache.cache_manager import IdPool
+from trnrt.engine.runner.model_runner import ModelRunner
+from trnrt.engine.output.outputs import RowInput, RowResult
 from trnrt.engine.spec.decoder import SpecDecoder
 from trnrt.engine.spec.drafter import Drafter, MTPDrafter
 from trnrt.engine.spec.policy import StepCosts
 from trnrt.engine.spec.prefill import prefill_chunk
-from trnrt.engine.step import GraphSpec
+from trnrt.engine.runner.step import GraphSpec
 
 
 class _OffsetPool:

@@ -9,7 +9,7 @@ j is the target's distribution of position L+1+j, which decides draft j+1
 (trnrt.engine.spec.rejection); its hidden row j (the final hidden state after the final norm) is
 what the MTP drafter reads at position L+j.
 
-Inputs are the step function's (trnrt.engine.step.STEP_INPUT_NAMES; the runner's `_pack` fills
+Inputs are the step function's (trnrt.engine.runner.step.STEP_INPUT_NAMES; the runner's `_pack` fills
 them): input_ids [B, k+1], num_new = 1 + the row's drafts (0: a padding row). The state is
 written for all k + 1 positions; trnrt.engine.spec.rollback undoes the rejected ones.
 `extend` is the same forward without the rule (the re-run of the accepted tokens). The

@@ -19,7 +19,7 @@ import itertools
 import logging
 from typing import Callable, Iterator, Protocol
 
-from trnrt.engine.outputs import RequestOutput
+from trnrt.engine.output.outputs import RequestOutput
 from trnrt.engine.request import GenerateRequest, InvalidRequestError
 from trnrt.serve.http import sse
 from trnrt.serve.http.body import read_json
@@ -59,7 +59,7 @@ def require_prompt_logprobs(st: ServeState, param: str, err: Callable[[str, str 
     """A request asking for prompt logprobs on a server started without --prompt-logprobs: a 400
     naming the route's own field (`param`) and the flag, before any tokenization."""
     if not getattr(st.engine, "prompt_logprobs", False):
-        from trnrt.engine.engine import PROMPT_LOGPROBS_OFF_MESSAGE
+        from trnrt.engine.core.engine import PROMPT_LOGPROBS_OFF_MESSAGE
 
         raise err(PROMPT_LOGPROBS_OFF_MESSAGE.format(param=param), param)
 

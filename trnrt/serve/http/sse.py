@@ -13,7 +13,7 @@ import queue
 import time
 from typing import Callable, Iterator, Sequence
 
-from trnrt.engine.outputs import RequestOutput
+from trnrt.engine.output.outputs import RequestOutput
 
 DONE = b"data: [DONE]\n\n"
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from trnrt.engine.client import EngineClient
+from trnrt.engine.core.client import EngineClient
 from trnrt.serve.http.errors import PRIORITY_DISABLED_MESSAGE, QUEUE_FULL_HEADERS, OpenAIError, SGLangObjectError
 
 TOOL_CALL_PARSERS = ("glm47", "glm45")

@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Iterator
 
-from trnrt.engine.outputs import RequestOutput
+from trnrt.engine.output.outputs import RequestOutput
 from trnrt.serve.http import sse
 from trnrt.serve.http.errors import AnthropicError, APIError
 from trnrt.serve.output.assembler import TokenCounter, finish_of

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trnrt.engine.outputs import RequestOutput
+from trnrt.engine.output.outputs import RequestOutput
 from trnrt.serve.http.errors import APIError, system_abort
 from trnrt.serve.output.reasoning import ReasoningParser
 from trnrt.serve.output.tool_calls import ToolCallParser

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Iterator
 
-from trnrt.engine.outputs import RequestOutput, TokenLogprob
+from trnrt.engine.output.outputs import RequestOutput, TokenLogprob
 from trnrt.serve.http import sse
 from trnrt.serve.http.errors import APIError
 from trnrt.serve.output.assembler import ChatOutput, Finish, TokenCounter, finish_of, usage

@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Callable, Iterator
 
-from trnrt.engine.outputs import RequestOutput, TokenLogprob
+from trnrt.engine.output.outputs import RequestOutput, TokenLogprob
 from trnrt.serve.http import sse
 from trnrt.serve.http.errors import APIError
 from trnrt.serve.output.assembler import ChatOutput, TokenCounter, finish_of

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Iterator
 
-from trnrt.engine.outputs import RequestOutput, TokenLogprob
+from trnrt.engine.output.outputs import RequestOutput, TokenLogprob
 from trnrt.serve.http import sse
 from trnrt.serve.http.errors import APIError, SGLangObjectError
 from trnrt.serve.output.assembler import TokenCounter

@@ -26,7 +26,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from trnrt.engine.tool_call_grammar import is_raw_string
+from trnrt.engine.sample.tool_call_grammar import is_raw_string
 
 TOOL_START = "<tool_call>"
 TOOL_END = "</tool_call>"

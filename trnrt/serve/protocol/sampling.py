@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trnrt.engine.request import InvalidRequestError, SamplingParams
-from trnrt.engine.stop import MAX_STOP_REGEX, compile_stop_regex
+from trnrt.engine.output.stop import MAX_STOP_REGEX, compile_stop_regex
 from trnrt.serve.http.errors import bad_request
 from trnrt.serve.protocol.fields import (ErrorFactory, is_text, read_bool, read_id_list, read_int,
                                          read_logit_bias, read_num, read_str_list)
@@ -86,7 +86,7 @@ def read_sampling(body: dict, spelling: Spelling, *, err: ErrorFactory = bad_req
 
 def read_stop_regex(body: dict, key: str, label: str, err: ErrorFactory = bad_request) -> list:
     """SGLang's stop_regex: a pattern or a list of at most 32, each at most 256 bytes, each one RE2
-    can run; compiled here (cached: trnrt.engine.stop.compile_stop_regex), on the request thread.
+    can run; compiled here (cached: trnrt.engine.output.stop.compile_stop_regex), on the request thread.
     A wrong JSON type is `err` (SGLang's contract form on /generate); a pattern refused is a 400
     naming the field and saying why."""
     v = body.get(key)

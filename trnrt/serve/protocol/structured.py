@@ -11,7 +11,7 @@ Spellings read (exactly one constraint per request, else a 400):
   /generate's sampling_params and at the top level of the OpenAI routes.
 - Responses `text.format`: {"type": "json_schema", "schema", "name", "strict"} / "json_object".
 
-Compiling happens in the engine's submit (trnrt.engine.grammar): a grammar error is a 400 naming
+Compiling happens in the engine's submit (trnrt.engine.sample.grammar): a grammar error is a 400 naming
 the field given here as GrammarSpec.param. The `</think>` gate is set by the chat handlers.
 """
 
@@ -21,7 +21,7 @@ import json
 import logging
 from typing import Any
 
-from trnrt.engine.grammar_spec import GrammarSpec
+from trnrt.engine.sample.grammar_spec import GrammarSpec
 from trnrt.serve.http.errors import bad_request, safe
 from trnrt.serve.protocol.fields import ErrorFactory, check_unicode_tree, is_text
 

@@ -8,7 +8,7 @@ Spellings (the chat route's mode in parentheses):
 `parallel_tool_calls` (Messages: not `tool_choice.disable_parallel_tool_use`) lets "required"
 make several calls; a named tool makes exactly one.
 
-"required" and a named tool are enforced by a grammar (trnrt.engine.tool_call_grammar): they need
+"required" and a named tool are enforced by a grammar (trnrt.engine.sample.tool_call_grammar): they need
 the server's --structured-outputs (the engine refuses the GrammarSpec otherwise, naming
 tool_choice and the flag) and a tool-call parser, and exclude any other structured output.
 """
@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from trnrt.engine.grammar_spec import GrammarSpec
-from trnrt.engine.tool_call_grammar import ToolGrammarError, tool_call_tag
+from trnrt.engine.sample.grammar_spec import GrammarSpec
+from trnrt.engine.sample.tool_call_grammar import ToolGrammarError, tool_call_tag
 from trnrt.serve.http.errors import bad_request, safe
 
 FORCED = "required"  # the chat route's mode of "required" and of a named tool (with its name)
