@@ -68,3 +68,25 @@ def test_import_linter_contracts_hold():
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "0 broken" in r.stdout, r.stdout
+
+
+def test_no_import_circle():
+    """No module of trnrt imports itself back through others (imports inside functions count)."""
+    from import_graph import cycles, import_graph
+
+    found = cycles(import_graph(ROOT))
+    assert not found, "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_a_planted_import_circle_is_found(tmp_path):
+    """The check above can fail: the request types importing the stop checker (the circle #30 cut,
+    planted back inside a function) is reported."""
+    import shutil as _sh
+
+    from import_graph import cycles, import_graph
+
+    _sh.copytree(ROOT / "trnrt", tmp_path / "trnrt", ignore=_sh.ignore_patterns("__pycache__"))
+    req = tmp_path / "trnrt" / "engine" / "request.py"
+    req.write_text(req.read_text() + "\n\ndef _planted():\n    from trnrt.engine.output import stop  # noqa: F401\n")
+    found = cycles(import_graph(tmp_path))
+    assert any("trnrt.engine.request" in c and "trnrt.engine.output.stop" in c for c in found), found

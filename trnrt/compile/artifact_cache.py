@@ -19,7 +19,7 @@ from trnrt.compile.manifest import MANIFEST_NAME
 
 def cache_root() -> Path:
     """<cache>/compiled."""
-    from trnrt.models.tiny.checkpoint import cache_dir
+    from trnrt.models.cache_dir import cache_dir
 
     return cache_dir() / "compiled"
 

@@ -31,7 +31,7 @@ def enabled() -> bool:
 
 
 def _dir() -> Path:
-    from trnrt.models.tiny.checkpoint import cache_dir
+    from trnrt.models.cache_dir import cache_dir
 
     return cache_dir() / "graph-fingerprints"
 

@@ -1,5 +1,8 @@
 """Request-side types shared by every stage: SamplingParams, FinishReason, GenerateRequest.
 
+A leaf: it imports nothing of trnrt, so every stage (the server's adapters, the scheduler, the
+stop checks, the output types) can depend on it without a circle. Validation of a request's own
+fields lives here too, compiled stop patterns (StopRegex) included.
 Pure Python (no torch): the scheduler, the server and the tests build these without a model.
 Names follow SGLang's sampling parameters (max_new_tokens, stop_token_ids, ignore_eos, ...);
 the server maps OpenAI/vLLM spellings onto them.
@@ -8,6 +11,7 @@ the server maps OpenAI/vLLM spellings onto them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import uuid
 from dataclasses import dataclass, field
 from typing import Literal
@@ -51,7 +55,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
-    # SGLang's stop_regex: pattern strings, compiled by validate() into trnrt.engine.output.stop.StopRegex
+    # SGLang's stop_regex: pattern strings, compiled by validate() into StopRegex (below)
     # (RE2, cached) on the caller's thread, never on the engine thread.
     stop_regex: list = field(default_factory=list)
     # Keep the matched stop string / regex match / stop token's text (vLLM's
@@ -124,8 +128,6 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 bad("stop", "must be a non-empty string or a list of non-empty strings")
         if self.stop_regex:
-            from trnrt.engine.output.stop import MAX_STOP_REGEX, StopRegex, compile_stop_regex
-
             if len(self.stop_regex) > MAX_STOP_REGEX:
                 bad("stop_regex", f"accepts at most {MAX_STOP_REGEX} patterns")
             self.stop_regex = [r if isinstance(r, StopRegex) else compile_stop_regex(r) for r in self.stop_regex]
@@ -278,3 +280,84 @@ def check_context_length(
             f"the number of tokens in the input or the completion to fit within the limit.",
             field="max_new_tokens",
         )
+
+
+#
+# SGLang's `stop_regex`: patterns matched on the output text. Every pattern runs on RE2
+# (google-re2), whose search time is linear in the text searched whatever the pattern, so no
+# pattern can stall the engine thread (`(a+)+$` costs what `a` costs). A pattern RE2 cannot run
+# (backreferences, lookaround, atomic groups, possessive quantifiers) is refused, never run on
+# Python's backtracking `re`. Patterns are compiled on the client thread (SamplingParams.validate,
+# which submit() calls) and cached; the engine thread only searches.
+
+MAX_STOP_REGEX = 32  # SGLang's limits: at most 32 patterns, each at most 256 bytes
+MAX_STOP_REGEX_BYTES = 256
+
+
+class StopRegex:
+    """One compiled stop pattern: `pattern` (what `matched_stop` reports, as SGLang does),
+    `regex` (an RE2 object with `search(text, pos)`), and `max_len`: the longest text a match can
+    span, in characters (None: unbounded), from Python's own pattern parser."""
+
+    __slots__ = ("pattern", "regex", "max_len")
+
+    def __init__(self, pattern: str, regex, max_len: int | None):
+        self.pattern = pattern
+        self.regex = regex
+        self.max_len = max_len
+
+    def __repr__(self) -> str:
+        return f"StopRegex({self.pattern!r})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StopRegex) and other.pattern == self.pattern
+
+    def __hash__(self) -> int:
+        return hash(self.pattern)
+
+
+def _width(pattern: str) -> tuple[int, int | None] | None:
+    """(min, max) length of a match per Python's `re` parser (max None: unbounded); None when
+    Python's `re` does not accept the pattern either."""
+    import re
+
+    try:
+        parser = re._parser  # type: ignore[attr-defined]  # sre_parse since 3.11
+    except AttributeError:  # pragma: no cover
+        import sre_parse as parser  # type: ignore[no-redef]
+    try:
+        lo, hi = parser.parse(pattern).getwidth()
+    except Exception:
+        return None
+    return lo, (None if hi >= (1 << 31) else hi)
+
+
+@functools.lru_cache(maxsize=4096)
+def compile_stop_regex(pattern: str, label: str = "stop_regex") -> StopRegex:
+    """Compile one stop pattern (cached), or raise InvalidRequestError naming `label` and why."""
+    import re2
+
+    if not isinstance(pattern, str) or not pattern:
+        raise InvalidRequestError(f"{label} must be a non-empty string", field=label)
+    if len(pattern.encode("utf-8", "surrogatepass")) > MAX_STOP_REGEX_BYTES:
+        raise InvalidRequestError(f"{label} pattern is longer than {MAX_STOP_REGEX_BYTES} bytes", field=label)
+    width = _width(pattern)
+    options = re2.Options()
+    options.log_errors = False
+    try:
+        regex = re2.compile(pattern, options)
+    except re2.error as e:
+        why = e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+        if width is None:
+            raise InvalidRequestError(f"{label} {pattern!r} is not a valid regular expression: {why}", field=label)
+        raise InvalidRequestError(
+            f"{label} {pattern!r} cannot be run in linear time ({why}): this server matches stop patterns with "
+            "RE2, which has no backreferences, lookahead/lookbehind, atomic groups or possessive quantifiers",
+            field=label)
+    if width is None:  # RE2 takes it but Python's re (SGLang's syntax) does not: refuse, do not guess
+        raise InvalidRequestError(f"{label} {pattern!r} is not a valid Python regular expression", field=label)
+    lo, hi = width
+    if lo == 0:
+        raise InvalidRequestError(f"{label} {pattern!r} can match the empty string, which would stop every "
+                                  "request at once", field=label)
+    return StopRegex(pattern, regex, hi)

@@ -32,10 +32,11 @@ two sources into the request's final FinishReason. The engine thread, per step:
 
 from __future__ import annotations
 
-import functools
 from typing import Iterable
 
-from trnrt.engine.request import FinishReason, InvalidRequestError
+from trnrt.engine.request import (  # noqa: F401  (StopRegex and its limits re-exported)
+    MAX_STOP_REGEX, MAX_STOP_REGEX_BYTES, FinishReason, InvalidRequestError, StopRegex, compile_stop_regex,
+)
 from trnrt.engine.output.sequence import Sequence
 
 
@@ -92,84 +93,7 @@ def is_token_stop(reason: FinishReason | None) -> bool:
 
 
 # -- stop_regex ----------------------------------------------------------------------------------
-#
-# SGLang's `stop_regex`: patterns matched on the output text. Every pattern runs on RE2
-# (google-re2), whose search time is linear in the text searched whatever the pattern, so no
-# pattern can stall the engine thread (`(a+)+$` costs what `a` costs). A pattern RE2 cannot run
-# (backreferences, lookaround, atomic groups, possessive quantifiers) is refused, never run on
-# Python's backtracking `re`. Patterns are compiled on the client thread (SamplingParams.validate,
-# which submit() calls) and cached; the engine thread only searches.
-
-MAX_STOP_REGEX = 32  # SGLang's limits: at most 32 patterns, each at most 256 bytes
-MAX_STOP_REGEX_BYTES = 256
+# The stop patterns themselves (StopRegex, compile_stop_regex) are compiled with the request's
+# sampling parameters (trnrt.engine.request): re-exported here for the stop checks' callers.
 # A regex stop holds back at most this many trailing characters (see IncrementalDetokenizer).
 REGEX_HOLD_CHARS = 64
-
-
-class StopRegex:
-    """One compiled stop pattern: `pattern` (what `matched_stop` reports, as SGLang does),
-    `regex` (an RE2 object with `search(text, pos)`), and `max_len`: the longest text a match can
-    span, in characters (None: unbounded), from Python's own pattern parser."""
-
-    __slots__ = ("pattern", "regex", "max_len")
-
-    def __init__(self, pattern: str, regex, max_len: int | None):
-        self.pattern = pattern
-        self.regex = regex
-        self.max_len = max_len
-
-    def __repr__(self) -> str:
-        return f"StopRegex({self.pattern!r})"
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, StopRegex) and other.pattern == self.pattern
-
-    def __hash__(self) -> int:
-        return hash(self.pattern)
-
-
-def _width(pattern: str) -> tuple[int, int | None] | None:
-    """(min, max) length of a match per Python's `re` parser (max None: unbounded); None when
-    Python's `re` does not accept the pattern either."""
-    import re
-
-    try:
-        parser = re._parser  # type: ignore[attr-defined]  # sre_parse since 3.11
-    except AttributeError:  # pragma: no cover
-        import sre_parse as parser  # type: ignore[no-redef]
-    try:
-        lo, hi = parser.parse(pattern).getwidth()
-    except Exception:
-        return None
-    return lo, (None if hi >= (1 << 31) else hi)
-
-
-@functools.lru_cache(maxsize=4096)
-def compile_stop_regex(pattern: str, label: str = "stop_regex") -> StopRegex:
-    """Compile one stop pattern (cached), or raise InvalidRequestError naming `label` and why."""
-    import re2
-
-    if not isinstance(pattern, str) or not pattern:
-        raise InvalidRequestError(f"{label} must be a non-empty string", field=label)
-    if len(pattern.encode("utf-8", "surrogatepass")) > MAX_STOP_REGEX_BYTES:
-        raise InvalidRequestError(f"{label} pattern is longer than {MAX_STOP_REGEX_BYTES} bytes", field=label)
-    width = _width(pattern)
-    options = re2.Options()
-    options.log_errors = False
-    try:
-        regex = re2.compile(pattern, options)
-    except re2.error as e:
-        why = e.args[0].decode("utf-8", "replace") if e.args and isinstance(e.args[0], bytes) else str(e)
-        if width is None:
-            raise InvalidRequestError(f"{label} {pattern!r} is not a valid regular expression: {why}", field=label)
-        raise InvalidRequestError(
-            f"{label} {pattern!r} cannot be run in linear time ({why}): this server matches stop patterns with "
-            "RE2, which has no backreferences, lookahead/lookbehind, atomic groups or possessive quantifiers",
-            field=label)
-    if width is None:  # RE2 takes it but Python's re (SGLang's syntax) does not: refuse, do not guess
-        raise InvalidRequestError(f"{label} {pattern!r} is not a valid Python regular expression", field=label)
-    lo, hi = width
-    if lo == 0:
-        raise InvalidRequestError(f"{label} {pattern!r} can match the empty string, which would stop every "
-                                  "request at once", field=label)
-    return StopRegex(pattern, regex, hi)

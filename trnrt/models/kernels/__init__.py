@@ -36,7 +36,7 @@ def enabled_by_env() -> bool:
 
 
 def _build_dir(digest: str) -> Path:
-    from trnrt.models.tiny.checkpoint import cache_dir
+    from trnrt.models.cache_dir import cache_dir
 
     return cache_dir() / "kernels" / digest
 

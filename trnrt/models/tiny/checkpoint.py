@@ -17,7 +17,8 @@ import shutil
 import uuid
 from pathlib import Path
 
-from trnrt.models.tiny import TINY_MTP_CONFIG, TINY_TEXT_CONFIG, TINY_VISION_CONFIG, add_mtp_layer, build_hf_model
+from trnrt.models.cache_dir import cache_dir  # noqa: F401  (its old home)
+from trnrt.models.tiny.build import TINY_MTP_CONFIG, TINY_TEXT_CONFIG, TINY_VISION_CONFIG, add_mtp_layer, build_hf_model
 
 # Bump when the checkpoint's content changes in a way the digest below cannot see.
 TINY_CHECKPOINT_VERSION = 1
@@ -115,15 +116,6 @@ def _replace_dir(tmp: Path, out: Path) -> None:
         os.rename(tmp, out)
 
 
-def cache_dir() -> Path:
-    """trnrt's cache root: $TRNRT_CACHE_DIR, else $XDG_CACHE_HOME/trnrt, else ~/.cache/trnrt."""
-    if os.environ.get("TRNRT_CACHE_DIR"):
-        return Path(os.environ["TRNRT_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "trnrt"
-    return Path.home() / ".cache" / "trnrt"
-
-
 def default_model_name() -> str:
     """Cache-directory name of the embedded default model, e.g. `glm5-next-tiny-v1-<digest>`.
 
@@ -139,7 +131,7 @@ def default_model_name() -> str:
     for pkg in ("transformers", "tokenizers"):
         h.update(f"{pkg}={metadata.version(pkg)}\n".encode())
     here = Path(__file__).parent
-    for name in ("__init__.py", "checkpoint.py", "tokenizer.py", "corpus.txt", "chat_template.jinja"):
+    for name in ("__init__.py", "build.py", "checkpoint.py", "tokenizer.py", "corpus.txt", "chat_template.jinja"):
         h.update(name.encode() + b"\0" + (here / name).read_bytes())
     return f"glm5-next-tiny-v{TINY_CHECKPOINT_VERSION}-{h.hexdigest()[:12]}"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trnrt.models.tiny import TINY_TEXT_CONFIG, TINY_VOCAB_SIZE
+from trnrt.models.tiny.build import TINY_TEXT_CONFIG, TINY_VOCAB_SIZE
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 

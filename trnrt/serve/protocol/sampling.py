@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trnrt.engine.request import InvalidRequestError, SamplingParams
-from trnrt.engine.output.stop import MAX_STOP_REGEX, compile_stop_regex
+from trnrt.engine.request import MAX_STOP_REGEX, InvalidRequestError, SamplingParams, compile_stop_regex
 from trnrt.serve.http.errors import bad_request
 from trnrt.serve.protocol.fields import (ErrorFactory, is_text, read_bool, read_id_list, read_int,
                                          read_logit_bias, read_num, read_str_list)
