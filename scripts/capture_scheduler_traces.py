@@ -1,4 +1,4 @@
-"""Capture the golden scheduler traces (tests/engine/data/scheduler_traces.json).
+"""Capture the golden scheduler traces (tests/engine/sched/data/scheduler_traces.json).
 
 Usage: .venv/bin/python scripts/capture_scheduler_traces.py [TREE]
 
@@ -23,7 +23,7 @@ def main() -> None:
     import trnrt.engine.sched.scheduler as sched_mod
 
     assert pathlib.Path(sched_mod.__file__).resolve().is_relative_to(tree), sched_mod.__file__
-    spec = importlib.util.spec_from_file_location("trace_scenarios", REPO / "tests/engine/trace_scenarios.py")
+    spec = importlib.util.spec_from_file_location("trace_scenarios", REPO / "tests/engine/sched/trace_scenarios.py")
     ts = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ts)
     out = []
@@ -31,7 +31,7 @@ def main() -> None:
         trace = ts.run_scenario(sc)
         out.append({"scenario": sc, "trace": trace})
         print(f"{sc['name']:36s} {len(trace):4d} steps")
-    path = REPO / "tests/engine/data/scheduler_traces.json"
+    path = REPO / "tests/engine/sched/data/scheduler_traces.json"
     # One scenario per line: compact, yet a diff names the scenario that changed.
     text = "[\n" + ",\n".join(json.dumps(x, separators=(",", ":")) for x in out) + "\n]\n"
     path.write_text(text)

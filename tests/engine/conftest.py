@@ -1,4 +1,6 @@
-"""Fixtures shared by the scripted-engine tests of this directory (no torch, no transformers)."""
+"""Fixtures shared by the engine unit tests under this folder (tests/engine/<stage>/ follows
+trnrt/engine/<stage>/): the tokenizer for the scripted-engine tests (no torch, no transformers) and
+the tiny model for the tensor-level ones."""
 
 from __future__ import annotations
 
@@ -22,3 +24,21 @@ def eos(tok) -> int:
     from trnrt.models.tiny.tokenizer import EOS_TOKEN
 
     return tok.token_to_id(EOS_TOKEN)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The embedded tiny model in fp32 and a small EngineConfig (the tensor-level tests: sampler,
+    penalties, token bitmask, threads). torch is imported here, not at the top, so the scripted
+    tests of this tree load none."""
+    import torch
+
+    from trnrt.config import EngineConfig
+    from trnrt.models.glm5_next.weights import load_model
+    from trnrt.models.tiny import default_model_dir
+
+    torch.manual_seed(0)
+    model = load_model(default_model_dir(), dtype=torch.float32)
+    cfg = EngineConfig(max_model_len=128, decode_batch_buckets=(4,), prefill_token_buckets=(16,), num_blocks=40,
+                       num_slots=6, max_top_logprobs=4)
+    return model, cfg

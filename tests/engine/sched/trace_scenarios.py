@@ -2,10 +2,10 @@
 
 Used by two callers:
 - scripts/capture_scheduler_traces.py plays every scenario against a chosen tree's scheduler (the
-  pre-change one, commit 5f1d6ae) and writes tests/engine/data/scheduler_traces.json, which holds
+  pre-change one, commit 5f1d6ae) and writes tests/engine/sched/data/scheduler_traces.json, which holds
   each scenario's definition next to its trace (so a change to the builders below cannot silently
   change what the test replays);
-- tests/engine/test_scheduler_trace.py replays the stored definitions against the current
+- tests/engine/sched/test_scheduler_trace.py replays the stored definitions against the current
   scheduler and requires the same trace.
 
 A scenario is plain JSON:

@@ -1,6 +1,6 @@
 """Golden traces: the current Scheduler plans every stored scenario exactly as the pre-change one did.
 
-tests/engine/data/scheduler_traces.json was captured from commit 5f1d6ae's scheduler by
+tests/engine/sched/data/scheduler_traces.json was captured from commit 5f1d6ae's scheduler by
 scripts/capture_scheduler_traces.py (scenarios and driver: trace_scenarios.py). Each scenario is
 replayed with SchedulerConfig defaults for every field the capture did not set (fcfs, no priority
 scheduling, no queue limit) and no prefix cache; scheduler.check_integrity() runs after every step.
