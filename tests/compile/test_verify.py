@@ -36,7 +36,7 @@ def test_clean_tree_matches_lock():
 
 
 def test_changed_constant_fails_with_first_node_and_line(monkeypatch):
-    import trnrt.models.glm5_next.model as M
+    import trnrt.models.glm5_next.layers as M
 
     orig = M.rms_norm
     monkeypatch.setattr(M, "rms_norm", lambda x, w, eps: orig(x, w, eps * 10))
@@ -51,7 +51,7 @@ def test_changed_constant_fails_with_first_node_and_line(monkeypatch):
 
 
 def test_changed_op_fails_with_op_delta(monkeypatch):
-    import trnrt.models.glm5_next.model as M
+    import trnrt.models.glm5_next.moe as M
 
     def swiglu_gelu(gate, up, limit, kind):
         return F.gelu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
@@ -118,7 +118,7 @@ def _head_has_model() -> bool:
 
 @pytest.mark.skipif(not _head_has_model(), reason="HEAD has no committed glm5_next model yet")
 def test_base_ref_shows_both_sides(monkeypatch):
-    import trnrt.models.glm5_next.model as M
+    import trnrt.models.glm5_next.layers as M
 
     orig = M.rms_norm
     monkeypatch.setattr(M, "rms_norm", lambda x, w, eps: orig(x, w, eps * 10))
