@@ -46,7 +46,7 @@ def test_changed_constant_fails_with_first_node_and_line(monkeypatch):
     assert "DIFFERENT" in out and "first difference at node" in out
     # the first differing node is the add of eps inside rms_norm, shown with its source line
     assert "aten.add.Tensor" in out
-    assert "models/glm5_next/model.py:" in out and "rms_norm(" in out
+    assert "models/glm5_next/layers.py:" in out and "rms_norm(" in out
     assert (1e-5 * 10).hex() in out  # the new literal, exactly
 
 
@@ -60,7 +60,7 @@ def test_changed_op_fails_with_op_delta(monkeypatch):
     r = verify(graph=SMALL)
     assert r.exit_code == 1, r.output
     assert "op-count delta" in r.output and "aten.gelu.default +" in r.output and "aten.silu.default -" in r.output
-    assert "first difference at node" in r.output and "models/glm5_next/model.py:" in r.output
+    assert "first difference at node" in r.output and "models/glm5_next/moe.py:" in r.output
 
 
 def test_known_flag_without_variant_is_a_usage_error(monkeypatch):
