@@ -168,7 +168,7 @@ def test_refuses_other_graph_hash(tiny_model, compiled_batch8, monkeypatch, tmp_
     """A model edit after the compile: the source digest differs, so each graph is re-exported
     and its hash compared. (The edit is planted by monkeypatching, which leaves the source as it
     was, so the manifest's digest is altered to stand for the edited file.)"""
-    import trnrt.models.glm5_next.model as M
+    import trnrt.models.glm5_next.layers as M
 
     cfg = load_preset("batch8")
     spec = next(s for s in _compiled_specs(compiled_batch8, cfg) if s.phase == "decode")

@@ -34,7 +34,7 @@ def test_verify_stores_then_reuses_fresh_recomputes_and_new_source_misses(cache_
     assert r.exit_code == 0 and "fingerprint cache" in r.output, r.output
     # The key is the source on disk: an in-process patch is invisible to a cached check (why
     # tests/conftest.py turns the cache off), and --fresh exports again and sees it.
-    import trnrt.models.glm5_next.model as M
+    import trnrt.models.glm5_next.layers as M
 
     orig = M.rms_norm
     monkeypatch.setattr(M, "rms_norm", lambda x, w, eps: orig(x, w, eps * 10))

@@ -36,7 +36,7 @@ def test_clean_tree_matches_lock():
 
 
 def test_changed_constant_fails_with_first_node_and_line(monkeypatch):
-    import trnrt.models.glm5_next.model as M
+    import trnrt.models.glm5_next.layers as M
 
     orig = M.rms_norm
     monkeypatch.setattr(M, "rms_norm", lambda x, w, eps: orig(x, w, eps * 10))
@@ -46,12 +46,12 @@ def test_changed_constant_fails_with_first_node_and_line(monkeypatch):
     assert "DIFFERENT" in out and "first difference at node" in out
     # the first differing node is the add of eps inside rms_norm, shown with its source line
     assert "aten.add.Tensor" in out
-    assert "models/glm5_next/model.py:" in out and "rms_norm(" in out
+    assert "models/glm5_next/layers.py:" in out and "rms_norm(" in out
     assert (1e-5 * 10).hex() in out  # the new literal, exactly
 
 
 def test_changed_op_fails_with_op_delta(monkeypatch):
-    import trnrt.models.glm5_next.model as M
+    import trnrt.models.glm5_next.moe as M
 
     def swiglu_gelu(gate, up, limit, kind):
         return F.gelu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
@@ -60,7 +60,7 @@ def test_changed_op_fails_with_op_delta(monkeypatch):
     r = verify(graph=SMALL)
     assert r.exit_code == 1, r.output
     assert "op-count delta" in r.output and "aten.gelu.default +" in r.output and "aten.silu.default -" in r.output
-    assert "first difference at node" in r.output and "models/glm5_next/model.py:" in r.output
+    assert "first difference at node" in r.output and "models/glm5_next/moe.py:" in r.output
 
 
 def test_known_flag_without_variant_is_a_usage_error(monkeypatch):
@@ -118,7 +118,7 @@ def _head_has_model() -> bool:
 
 @pytest.mark.skipif(not _head_has_model(), reason="HEAD has no committed glm5_next model yet")
 def test_base_ref_shows_both_sides(monkeypatch):
-    import trnrt.models.glm5_next.model as M
+    import trnrt.models.glm5_next.layers as M
 
     orig = M.rms_norm
     monkeypatch.setattr(M, "rms_norm", lambda x, w, eps: orig(x, w, eps * 10))

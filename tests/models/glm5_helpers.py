@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from trnrt.models.glm5_next.model import ForwardBatch
+from trnrt.models.glm5_next.batch import ForwardBatch
 
 BLOCK = 8  # block size: 2 pools of kpool 4 per block
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import trnrt.models.glm5_next.model as M
+from trnrt.models.glm5_next import hyper, indexer, kda, layers
+from trnrt.models.glm5_next import moe as moe_mod
 from glm5_helpers import Driver, tokens
 
 
@@ -18,14 +19,14 @@ def _hf_text(hf_model):
 # ----------------------------------------------------------------------------- meaningful
 def test_swiglu_clamp_reached_in_every_mlp_kind(model, monkeypatch):
     seen: dict[str, list[bool]] = {"dense": [False, False], "shared": [False, False], "routed": [False, False]}
-    orig = M.swiglu
+    orig = moe_mod.swiglu
 
     def probe(gate, up, limit, kind):
         seen[kind][0] |= bool((gate > limit).any())
         seen[kind][1] |= bool((up.abs() > limit).any())
         return orig(gate, up, limit, kind)
 
-    monkeypatch.setattr(M, "swiglu", probe)
+    monkeypatch.setattr(moe_mod, "swiglu", probe)
     drv = Driver(model)
     drv.new_seq("a")
     drv.step([("a", tokens(5, 40).tolist())])  # extend: dense experts form
@@ -43,7 +44,7 @@ def test_indexer_selects_fewer_than_visible(model, monkeypatch):
         cand = meta.pool_cand.sum(-1)  # visible complete pools
         stats.append(((sel < cand) & meta.valid).sum().item())
 
-    monkeypatch.setattr(M, "index_probe", probe)
+    monkeypatch.setattr(indexer, "index_probe", probe)
     drv = Driver(model)
     drv.new_seq("a")
     drv.step([("a", tokens(6, 48).tolist())])
@@ -79,8 +80,8 @@ def test_mhc_pre_post_comb_against_formula_and_hf(model, hf_model):
     cfg = model.config
     hc = model.layers[1].ffn_hc
     streams = torch.randn(2, 3, cfg.hc_mult, cfg.hidden_size)
-    pre, post, comb = M.hc_coefficients(streams, hc.fn, hc.base, hc.scale, cfg.hc_mult, cfg.hc_sinkhorn_iters,
-                                        cfg.hc_eps, cfg.rms_norm_eps)
+    pre, post, comb = hyper.hc_coefficients(streams, hc.fn, hc.base, hc.scale, cfg.hc_mult, cfg.hc_sinkhorn_iters,
+                                            cfg.hc_eps, cfg.rms_norm_eps)
     fpre, fpost, fcomb = _mhc_formula(streams, hc.fn, hc.base.double(), hc.scale.double(), cfg.hc_mult,
                                       cfg.hc_eps, cfg.rms_norm_eps)
     assert torch.allclose(pre.double(), fpre, atol=1e-6)
@@ -106,11 +107,11 @@ def test_mhc_sinkhorn_truncation_is_exact():
     scale = torch.tensor([1.0, 1.0, 4.0])
     streams = torch.randn(3, 2, n, d)
     fpre, fpost, fcomb = _mhc_formula(streams, fn, base.double(), scale.double(), n, 1e-6, 1e-5)
-    pre, post, comb = M.hc_coefficients(streams, fn, base, scale, n, 20, 1e-6, 1e-5)
+    pre, post, comb = hyper.hc_coefficients(streams, fn, base, scale, n, 20, 1e-6, 1e-5)
     assert torch.allclose(comb.double(), fcomb, atol=1e-5)
     assert (comb.sum(-1) - 1).abs().max() > 1e-3  # rows not converged
-    _, _, comb19 = M.hc_coefficients(streams, fn, base, scale, n, 19, 1e-6, 1e-5)
-    _, _, comb21 = M.hc_coefficients(streams, fn, base, scale, n, 21, 1e-6, 1e-5)
+    _, _, comb19 = hyper.hc_coefficients(streams, fn, base, scale, n, 19, 1e-6, 1e-5)
+    _, _, comb21 = hyper.hc_coefficients(streams, fn, base, scale, n, 21, 1e-6, 1e-5)
     assert (comb19.double() - fcomb).abs().max() > 1e-4 and (comb21.double() - fcomb).abs().max() > 1e-4
 
 
@@ -125,9 +126,9 @@ def test_sinkhorn_graph_and_eager_spellings_agree(monkeypatch):
     for _ in range(19):
         ref = ref / (ref.sum(-1, keepdim=True) + 1e-6)
         ref = ref / (ref.sum(-2, keepdim=True) + 1e-6)
-    eager = M.sinkhorn(comb, 20, 1e-6)
+    eager = hyper.sinkhorn(comb, 20, 1e-6)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    traced = M.sinkhorn(comb, 20, 1e-6)
+    traced = hyper.sinkhorn(comb, 20, 1e-6)
     assert eager.shape == traced.shape == comb.shape
     assert (eager.sum(-1) - 1).abs().max() > 1e-3  # not converged: every step counts
     assert (eager.double() - ref).abs().max() < 1e-6 and (traced.double() - ref).abs().max() < 1e-6
@@ -138,7 +139,7 @@ def test_mhc_expand_formula():
     torch.manual_seed(1)
     post, comb = torch.rand(2, 3, 4), torch.rand(2, 3, 4, 4)
     out, res = torch.randn(2, 3, 16), torch.randn(2, 3, 4, 16)
-    got = M.hc_expand(post, comb, out, res)
+    got = hyper.hc_expand(post, comb, out, res)
     want = torch.einsum("bsj,bsd->bsjd", post, out) + torch.einsum("bsij,bsid->bsjd", comb, res)
     assert torch.allclose(got, want, atol=1e-6)
 
@@ -149,7 +150,7 @@ def test_output_gate_is_sigmoid(model, hf_model):
     attn = model.layers[0].self_attn
     x, gate = torch.randn(2, 5, 4, 16), 3 * torch.randn(2, 5, 4, 16)
     w, eps = attn.o_norm.weight, attn.o_norm.eps
-    got = M.gated_rms_norm(x, gate, w, eps)
+    got = kda.gated_rms_norm(x, gate, w, eps)
     normed = w * x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps)
     assert torch.allclose(got, normed * torch.sigmoid(gate), atol=1e-5)
     assert not torch.allclose(got, normed * F.silu(gate), atol=1e-2)  # discriminates sigmoid vs silu
@@ -178,26 +179,26 @@ def test_decay_is_per_channel(model, hf_model):
 def test_kda_chunked_equals_recurrence_and_padding_is_inert():
     torch.manual_seed(4)
     B, S, H, Dk, Dv = 2, 37, 3, 8, 6
-    q = M.l2norm(torch.randn(B, S, H, Dk)) * Dk**-0.5
-    k = M.l2norm(torch.randn(B, S, H, Dk))
+    q = kda.l2norm(torch.randn(B, S, H, Dk)) * Dk**-0.5
+    k = kda.l2norm(torch.randn(B, S, H, Dk))
     v, beta = torch.randn(B, S, H, Dv), torch.rand(B, S, H)
     g = -5 * torch.rand(B, S, H, Dk)
     s0 = torch.randn(B, H, Dk, Dv)
     s, outs = s0, []
     for t in range(S):
-        o, s = M.kda_recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s)
+        o, s = kda.kda_recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s)
         outs.append(o)
     ref = torch.stack(outs, 1)
     for chunk in (64, 8, 5):
-        o, sc = M.kda_chunked(q, k, v, g, beta, s0, chunk=chunk)
+        o, sc = kda.kda_chunked(q, k, v, g, beta, s0, chunk=chunk)
         assert torch.allclose(o, ref, atol=1e-4) and torch.allclose(sc, s, atol=1e-4), chunk
-    o, su = M.kda_unrolled(q, k, v, g, beta, s0)  # the short-extend form: the recurrence itself
+    o, su = kda.kda_unrolled(q, k, v, g, beta, s0)  # the short-extend form: the recurrence itself
     assert torch.equal(o, ref) and torch.equal(su, s)
     # tokens with decay 1 (g = 0) and beta = 0 leave the state untouched
     g2, b2 = g.clone(), beta.clone()
     g2[:, 20:], b2[:, 20:] = 0, 0
-    _, s20 = M.kda_chunked(q[:, :20], k[:, :20], v[:, :20], g[:, :20], beta[:, :20], s0)
-    _, spad = M.kda_chunked(q, k, v, g2, b2, s0, chunk=16)
+    _, s20 = kda.kda_chunked(q[:, :20], k[:, :20], v[:, :20], g[:, :20], beta[:, :20], s0)
+    _, spad = kda.kda_chunked(q, k, v, g2, b2, s0, chunk=16)
     assert torch.allclose(s20, spad, atol=1e-5)
 
 
@@ -216,7 +217,7 @@ def test_moe_forms_agree(model):
         for j in range(idx.shape[1]):
             e = int(idx[t, j])
             h = ex.gate_up_proj[e] @ x[t]
-            y = ex.down_proj[e] @ M.swiglu(h[:I], h[I:], model.config.swiglu_limit, "routed")
+            y = ex.down_proj[e] @ moe_mod.swiglu(h[:I], h[I:], model.config.swiglu_limit, "routed")
             want[t] += w[t, j] * y
     assert torch.allclose(a, want, atol=1e-5)
 
@@ -226,6 +227,8 @@ def test_short_extend_is_the_plain_extend_by_another_path(model, monkeypatch):
     short_extend: the same logits, hidden states and state tensors as the plain extend, through
     the per-token KDA recurrence and the gathered experts (the chunked / dense forms not run)."""
     import copy
+
+    from trnrt.models import kernels
 
     drivers = [Driver(model), Driver(model)]
     for d in drivers:
@@ -240,11 +243,11 @@ def test_short_extend_is_the_plain_extend_by_another_path(model, monkeypatch):
             return fn(*a, **k)
         return wrapped
 
-    monkeypatch.setattr(M, "kda_unrolled", count("unrolled", M.kda_unrolled))
-    monkeypatch.setattr(M, "kda_chunked", count("chunked", M.kda_chunked))
-    monkeypatch.setattr(M, "fused_kernels", lambda x: False)  # the graphs' ops, as compiled
-    monkeypatch.setattr(M.Experts, "gathered", count("gathered", M.Experts.gathered))
-    monkeypatch.setattr(M.Experts, "dense", count("dense", M.Experts.dense))
+    monkeypatch.setattr(kda, "kda_unrolled", count("unrolled", kda.kda_unrolled))
+    monkeypatch.setattr(kda, "kda_chunked", count("chunked", kda.kda_chunked))
+    monkeypatch.setattr(kernels, "available", lambda: False)  # fused_kernels False: the graphs' ops, as compiled
+    monkeypatch.setattr(moe_mod.Experts, "gathered", count("gathered", moe_mod.Experts.gathered))
+    monkeypatch.setattr(moe_mod.Experts, "dense", count("dense", moe_mod.Experts.dense))
     items = [("a", [5, 9, 2, 7]), ("b", [3, 4])]
     with torch.inference_mode():
         plain = drivers[0].step(copy.deepcopy(items), bucket=4, pad_rows=1, all_logits=True)
@@ -263,7 +266,7 @@ def test_short_extend_is_the_plain_extend_by_another_path(model, monkeypatch):
 
 def test_short_moe_takes_the_fused_decode_kernel_in_eager_fp32(model):
     """Eager fp32 on the CPU: a short extend's experts run in the decode kernel, same values."""
-    if not M.fused_kernels(torch.zeros(1)):
+    if not layers.fused_kernels(torch.zeros(1)):
         pytest.skip("the C++ kernels are not built here")
     moe = model.layers[1].mlp
     x = torch.randn(3, 4, model.config.hidden_size)
@@ -282,12 +285,12 @@ def test_select_topk_max_passes_equal_topk(monkeypatch):
     x[1, 1, [2, 6]] = 9.0  # a tie for the first place
     x[2, 2, [1, 5]] = -9.0  # a tie that is not selected
     for k in (1, 2):
-        v, i = M.select_topk(x, k)
+        v, i = layers.select_topk(x, k)
         ref = torch.sort(x, dim=-1, descending=True, stable=True)  # ties: lowest index first
         assert torch.equal(v, ref.values[..., :k]) and torch.equal(i, ref.indices[..., :k]), k
         assert torch.equal(i[1, 1], torch.tensor([2, 6][:k]))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-    v, i = M.select_topk(x, 2)  # eager: torch.topk itself
+    v, i = layers.select_topk(x, 2)  # eager: torch.topk itself
     assert torch.equal(v, x.topk(2).values)
 
 

@@ -185,7 +185,9 @@ def test_slot_reuse_restarts_from_zero(model, hf_model):
 
 
 def test_dispatch_follows_config_index_for_index(model):
-    from trnrt.models.glm5_next.model import DenseMLP, KDAttention, MLAttention, MoE
+    from trnrt.models.glm5_next.kda import KDAttention
+    from trnrt.models.glm5_next.mla import MLAttention
+    from trnrt.models.glm5_next.moe import DenseMLP, MoE
 
     cfg = model.config
     for i, layer in enumerate(model.layers):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import trnrt.models.glm5_next.model as M
+from trnrt.models.glm5_next import hyper, indexer, kda, layers
+from trnrt.models.glm5_next import moe as moe_mod
 from trnrt.models import kernels
 from glm5_helpers import Driver, tokens
 
@@ -36,7 +37,7 @@ def _hc_inputs(shape, n, d, seed, peaked=False, dtype=torch.float32):
 
 
 def _plain_collapse(streams, fn, base, scale, n, iters):
-    pre, post, comb = M.hc_coefficients(streams, fn, base, scale, n, iters, 1e-6, 1e-5)
+    pre, post, comb = hyper.hc_coefficients(streams, fn, base, scale, n, iters, 1e-6, 1e-5)
     return post, comb, (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
 
 
@@ -78,7 +79,7 @@ def test_hc_expand_matches_plain_path(ops, monkeypatch):
     post, comb = torch.rand(2, 3, 4), torch.rand(2, 3, 4, 4)
     out, res = torch.randn(2, 3, 16), torch.randn(2, 3, 4, 16)
     _plain(monkeypatch)
-    want = M.hc_expand(post, comb, out, res)
+    want = hyper.hc_expand(post, comb, out, res)
     got = ops.hc_expand(post, comb, out, res)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     ref = post.unsqueeze(-1) * out.unsqueeze(-2) + torch.einsum("bsij,bsid->bsjd", comb, res)
@@ -118,7 +119,7 @@ def test_model_uses_kernels_and_matches_plain(ops, model, monkeypatch):
             selected.append((int(pool_mask.sum(-1).max()), int((meta.pos[:, 0] + 1).max()) // kp))
 
     kp = model.config.index_kpool
-    monkeypatch.setattr(M, "index_probe", probe)
+    monkeypatch.setattr(indexer, "index_probe", probe)
     monkeypatch.setattr(torch.ops, "trnrt", Counting())
     fused, st_f = run()
     cfg = model.config
@@ -137,7 +138,7 @@ def test_model_uses_kernels_and_matches_plain(ops, model, monkeypatch):
     # the decodes really ran sparse: fewer pools selected than complete ones
     assert selected and all(sel == cfg.index_topk // kp < complete for sel, complete in selected)
     seen = dict(calls)
-    monkeypatch.setattr(M, "index_probe", lambda pool_mask, meta: None)
+    monkeypatch.setattr(indexer, "index_probe", lambda pool_mask, meta: None)
     _plain(monkeypatch)
     plain, st_p = run()
     assert calls == seen  # the plain path made no further calls
@@ -163,9 +164,9 @@ def test_kda_chunked_pairs_match_plain_path(ops, monkeypatch, S, chunk):
     beta = torch.rand(B, S, H, generator=g)
     gate[1, S - 5:], beta[1, S - 5:] = 0.0, 0.0  # row 1 ends in padding
     s0 = torch.randn(B, H, Dk, Dv, generator=g)
-    o_f, s_f = M.kda_chunked(q, k, v, gate, beta, s0, chunk=chunk)
+    o_f, s_f = kda.kda_chunked(q, k, v, gate, beta, s0, chunk=chunk)
     _plain(monkeypatch)
-    o_p, s_p = M.kda_chunked(q, k, v, gate, beta, s0, chunk=chunk)
+    o_p, s_p = kda.kda_chunked(q, k, v, gate, beta, s0, chunk=chunk)
     torch.testing.assert_close(o_f, o_p, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s_f, s_p, atol=1e-5, rtol=1e-5)
     A, Mm = ops.kda_chunk_pairs(q[0, :chunk].transpose(0, 1).contiguous(), k[0, :chunk].transpose(0, 1).contiguous(),
@@ -197,13 +198,13 @@ def test_moe_routed_matches_plain_path_with_clamp_reached(ops, model, monkeypatc
     moe = next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "gate"))
     x = torch.randn(16, model.config.hidden_size, generator=torch.Generator().manual_seed(4)) * 8
     seen = []
-    orig = M.swiglu
+    orig = moe_mod.swiglu
 
     def probe(gate, up, limit, kind):
         seen.append(bool((gate > limit).any()) and bool((up.abs() > limit).any()))
         return orig(gate, up, limit, kind)
 
-    monkeypatch.setattr(M, "swiglu", probe)
+    monkeypatch.setattr(moe_mod, "swiglu", probe)
     _plain(monkeypatch)
     w, idx = moe.gate(x)
     want = moe.experts.gathered(x, w, idx)
@@ -217,18 +218,18 @@ def test_rms_norms_match_plain_path(ops, monkeypatch):
     x, w = torch.randn(3, 5, 64, generator=g) * 4, torch.randn(64, generator=g)
     gate = torch.randn(3, 5, 64, generator=g)
     _plain(monkeypatch)
-    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), M.rms_norm(x, w, 1e-5), atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(ops.gated_rms_norm(x, gate, w, 1e-5), M.gated_rms_norm(x, gate, w, 1e-5),
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), layers.rms_norm(x, w, 1e-5), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ops.gated_rms_norm(x, gate, w, 1e-5), kda.gated_rms_norm(x, gate, w, 1e-5),
                                atol=1e-6, rtol=1e-6)
     xb, wb = x.bfloat16(), w.bfloat16()
-    got, want = ops.rms_norm(xb, wb, 1e-5), M.rms_norm(xb, wb, 1e-5)
+    got, want = ops.rms_norm(xb, wb, 1e-5), layers.rms_norm(xb, wb, 1e-5)
     assert got.dtype == torch.bfloat16
     assert (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()  # one bf16 rounding step
 
 
 def test_export_never_traces_the_kernels(ops, monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not M.fused_kernels(torch.zeros(1))
+    assert not layers.fused_kernels(torch.zeros(1))
 
 
 def test_env_switch_turns_kernels_off(monkeypatch):

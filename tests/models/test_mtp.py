@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from glm5_helpers import BASE_TENSORS_SHA256, BLOCK, base_tensors_digest, save_single, tokens
 from trnrt.models.glm5_next.config import ConfigError, Glm5NextMTPConfig
-from trnrt.models.glm5_next.model import ForwardBatch
+from trnrt.models.glm5_next.batch import ForwardBatch
 from trnrt.models.glm5_next.weights import load_model
 from trnrt.models.tiny import TINY_MTP_CONFIG, add_mtp_layer, tiny_text_config
 

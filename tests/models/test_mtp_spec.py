@@ -345,7 +345,7 @@ def test_mtp_cache_follows_the_accepted_tokens(spec_model):
 def _check_mtp_cache(env, drafter, prompts, out):
     """The MTP cache of each sequence (latents of positions < M, its indexer tail at M) equals an
     MTP prefill over the accepted tokens with the target's hidden states of a plain forward."""
-    from trnrt.models.glm5_next.model import ForwardBatch
+    from trnrt.models.glm5_next.batch import ForwardBatch
 
     model, st = env.runner.model, env.state
     for rid, prompt in prompts.items():

@@ -57,7 +57,7 @@ class PromptLogprobsStepFunction(StepFunction):
         self.processors = processors_for(processor_flags(flags))
 
     def forward(self, *inputs: torch.Tensor):
-        from trnrt.models.glm5_next.model import ForwardBatch
+        from trnrt.models.glm5_next.batch import ForwardBatch
 
         base, extra, next_ids = inputs[:_NUM_BASE], inputs[_NUM_BASE:-1], inputs[-1]
         input_ids, start_pos, num_new, block_tables, slot_ids = base[:5]

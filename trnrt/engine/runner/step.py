@@ -95,7 +95,7 @@ class StepFunction(nn.Module):
 
     def logits(self, input_ids, start_pos, num_new, block_tables, slot_ids, *_unused) -> torch.Tensor:
         """The model forward over the state: each row's last-token logits [B, V]."""
-        from trnrt.models.glm5_next.model import ForwardBatch
+        from trnrt.models.glm5_next.batch import ForwardBatch
 
         batch = ForwardBatch(
             input_ids=input_ids, start_pos=start_pos, num_new=num_new, block_tables=block_tables, slot_ids=slot_ids

@@ -58,7 +58,7 @@ class DraftFunction(nn.Module):
         self.k = int(k)
 
     def forward(self, input_ids, start_pos, num_new, block_tables, slot_ids, prev_hidden):
-        from trnrt.models.glm5_next.model import ForwardBatch
+        from trnrt.models.glm5_next.batch import ForwardBatch
 
         mtp, embed, head = self.model.mtp, self.model.embed_tokens.weight, self.model.head_weight()
         out = mtp(ForwardBatch(input_ids, start_pos, num_new, block_tables, slot_ids), prev_hidden, self.state,

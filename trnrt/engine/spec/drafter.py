@@ -94,7 +94,7 @@ class MTPDrafter(Drafter):
 
     def _batch(self, rows, ids, start, num, tokens: int, k: int):
         """ForwardBatch of len(rows) rows padded to the decode bucket (padding: slot 0, block 0)."""
-        from trnrt.models.glm5_next.model import ForwardBatch
+        from trnrt.models.glm5_next.batch import ForwardBatch
 
         cfg, dev = self.runner.cfg, self.runner.device
         B = cfg.decode_bucket(len(rows))

@@ -32,7 +32,7 @@ class SpecPrefillFunction(StepFunction):
 
     def forward(self, input_ids, start_pos, num_new, block_tables, slot_ids, temperature, top_p, top_k, min_p, seeds,
                 sample_pos):
-        from trnrt.models.glm5_next.model import ForwardBatch
+        from trnrt.models.glm5_next.batch import ForwardBatch
 
         out = self.model(ForwardBatch(input_ids, start_pos, num_new, block_tables, slot_ids), self.state,
                          all_hidden=True)  # logits [B, V] at the last valid token, hidden_all [B, S, D]

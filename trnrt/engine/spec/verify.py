@@ -36,7 +36,7 @@ class VerifyFunction(nn.Module):
         self.greedy_only = greedy_only
 
     def _batch(self, input_ids, start_pos, num_new, block_tables, slot_ids):
-        from trnrt.models.glm5_next.model import ForwardBatch
+        from trnrt.models.glm5_next.batch import ForwardBatch
 
         return ForwardBatch(input_ids=input_ids, start_pos=start_pos, num_new=num_new, block_tables=block_tables,
                             slot_ids=slot_ids)

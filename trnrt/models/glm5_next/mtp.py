@@ -28,7 +28,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import Glm5NextConfig, Glm5NextMTPConfig
-from .model import ForwardBatch, MLAttention, MoE, RMSNorm, _linear, _make_meta
+from .batch import ForwardBatch, _make_meta
+from .layers import RMSNorm, _linear
+from .mla import MLAttention
+from .moe import MoE
 from .state import MTPState
 
 

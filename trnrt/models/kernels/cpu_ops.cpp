@@ -3,7 +3,7 @@
 // Why: an eager decode step of the tiny model is dispatch-bound. The mHC coefficients alone are
 // ~110 aten calls per sub-layer (a truncated Sinkhorn of 39 normalisations on [T, 4, 4] tensors),
 // more than half of all ops in a step. These kernels do the same arithmetic, in the same order
-// of operations as trnrt/models/glm5_next/model.py (hc_coefficients, HyperConnection.collapse,
+// of operations as trnrt/models/glm5_next/hyper.py (hc_coefficients, HyperConnection.collapse,
 // hc_expand), in one call each. Built with -ffp-contract=off so no multiply-add is fused behind
 // our back: only reduction order may differ from aten (a few ulp; tests bound the difference).
 // torch.export never sees these ops: the model calls them only outside export/compile.
@@ -562,7 +562,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> indexer_decode(
   return {blk, off, vis, pool_mask};
 }
 
-// The pairwise part of one KDA prefill chunk (trnrt/models/glm5_next/model.py kda_chunked): for
+// The pairwise part of one KDA prefill chunk (trnrt/models/glm5_next/kda.py kda_chunked): for
 // q, k, G [N, C, Dk] (N = batch x heads; G the inclusive cumulative log-decay of the chunk),
 //   A[t, s] = sum_c (k[t,c] * k[s,c]) * exp(G[t,c] - G[s,c])   for s < t, else 0
 //   M[t, s] = sum_c (q[t,c] * k[s,c]) * exp(G[t,c] - G[s,c])   for s <= t, else 0
