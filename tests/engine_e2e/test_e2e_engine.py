@@ -323,7 +323,8 @@ def test_context_limit_and_abort_while_queued(small_engine, random_prompts, toke
 
 def test_shutdown_aborts_in_flight_requests(model_dir, tokenizer):
     from trnrt.config import EngineConfig
-    from trnrt.engine.core.engine import Engine, EngineDeadError
+    from trnrt.engine.core.client import EngineDeadError
+    from trnrt.engine.core.engine import Engine
 
     engine = Engine.from_model_dir(model_dir, engine_config=EngineConfig(
         max_model_len=128, num_blocks=33, num_slots=3, decode_batch_buckets=(1, 2), prefill_token_buckets=(16, 64)))
@@ -487,16 +488,16 @@ def test_non_streamed_and_interval_requests_get_the_same_result_in_fewer_outputs
     """stream=False: one output, at the end, equal to the streamed request's concatenation (tokens,
     text, logprobs, finish reason), with a stop string and with seeded sampling; a stream interval
     of 3 delivers ceil(n / 3) outputs of the same content."""
-    from trnrt.engine.core import engine as engine_mod
+    from trnrt.engine.core import intake as intake_mod  # Engine._add makes the detokenizers
 
     made = []  # (deferred, has stop strings) of each detokenizer the engine creates
 
-    class Recording(engine_mod.IncrementalDetokenizer):
+    class Recording(intake_mod.IncrementalDetokenizer):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             made.append((self.deferred, bool(self.stop)))
 
-    monkeypatch.setattr(engine_mod, "IncrementalDetokenizer", Recording)
+    monkeypatch.setattr(intake_mod, "IncrementalDetokenizer", Recording)
     engine = eos_engine
     ids = tokenizer.encode(CJK_PROMPT, add_special_tokens=False)
     streamed_ref = run(engine, ids, max_new_tokens=10, temperature=0.0, ignore_eos=True)

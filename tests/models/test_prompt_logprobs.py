@@ -106,7 +106,8 @@ def _engine(tiny_dir, budget: int, **flags):
     import dataclasses
 
     from trnrt.config import EngineConfig
-    from trnrt.engine.core.engine import Engine, resolve_configs
+    from trnrt.engine.core.engine import Engine
+    from trnrt.engine.core.engine_setup import resolve_configs
     from trnrt.engine.cache.cache_config import PrefixCacheConfig
 
     ecfg = EngineConfig(max_model_len=256, decode_batch_buckets=(1, 4), prefill_token_buckets=(16,), num_blocks=80,

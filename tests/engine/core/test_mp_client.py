@@ -14,7 +14,7 @@ import time
 import pytest
 
 from trnrt.cli.serve import ServeArgs, build_engine, engine_core_factory
-from trnrt.engine.core.engine import EngineDeadError
+from trnrt.engine.core.client import EngineDeadError
 from trnrt.engine.core.mp_client import MPEngineClient
 from trnrt.engine.request import GenerateRequest, InvalidRequestError, SamplingParams
 

@@ -59,7 +59,7 @@ def require_prompt_logprobs(st: ServeState, param: str, err: Callable[[str, str 
     """A request asking for prompt logprobs on a server started without --prompt-logprobs: a 400
     naming the route's own field (`param`) and the flag, before any tokenization."""
     if not getattr(st.engine, "prompt_logprobs", False):
-        from trnrt.engine.core.engine import PROMPT_LOGPROBS_OFF_MESSAGE
+        from trnrt.engine.core.intake import PROMPT_LOGPROBS_OFF_MESSAGE
 
         raise err(PROMPT_LOGPROBS_OFF_MESSAGE.format(param=param), param)
 
