@@ -39,9 +39,10 @@ def test_compile_writes_into_the_cache_by_default(tiny_dir, cache):
 
 
 def _engine(tiny_dir, **kw):
-    from trnrt.cli.serve import ServeArgs, build_engine
+    from trnrt.cli.server_args import ServerArgs
+    from trnrt.cli.serve_engine import build_engine
 
-    engine, _ = build_engine(ServeArgs(model=str(tiny_dir), preset="batch8", max_running_requests=8, **kw))
+    engine, _ = build_engine(ServerArgs(model=str(tiny_dir), preset="batch8", max_running_requests=8, **kw))
     return engine
 
 

@@ -153,6 +153,63 @@ def test_generate_bad_input_exits_2(tmp_path, args, where, generate):
     assert "Traceback" not in r.output
 
 
+def test_generate_preset_mtp_always_is_greedy_exact(generate):
+    """--preset (serve's option): mtp-always speculates (draft + verify) and its greedy tokens are
+    the default preset's; stderr says which preset and graphs ran."""
+    ids = json.dumps([[11, 22, 33, 44, 55], [7, 8]])
+    plain = generate("--preset", "default", "--prompt-ids", ids, "--max-new-tokens", "9", *GREEDY)
+    spec = generate("--preset", "mtp-always", "--prompt-ids", ids, "--max-new-tokens", "9", *GREEDY)
+    assert [o["output_ids"] for o in json_lines(spec)] == [o["output_ids"] for o in json_lines(plain)]
+    assert "graphs: preset default, eager;" in plain.stderr, plain.stderr
+    assert "graphs: preset mtp-always, eager, speculative NEXTN k=3;" in spec.stderr, spec.stderr
+
+
+def test_generate_compiled_runs_the_loaded_graphs(monkeypatch, tmp_path, small_engine, generate):
+    """--compiled DIR hands (model, state, config) to trnrt.compile.load_compiled, as `trnrt serve
+    --compiled` does, and the engine runs the graphs it returns; stderr lists them as compiled.
+    (Here load_compiled is replaced by the graphs' eager callables; tests/compile/
+    test_generate_compiled.py runs real artifacts.)"""
+    import trnrt.compile
+    from trnrt.compile import expand
+    from trnrt.compile.export import eager_callable
+
+    loaded: list = []
+
+    def fake_load(directory, model, state, cfg, backend=None):
+        loaded.append((directory, backend, cfg.preset))
+        return {spec: eager_callable(model, state, cfg, spec) for spec in expand(cfg)}
+
+    monkeypatch.setattr(trnrt.compile, "load_compiled", fake_load)
+    ids = [11, 22, 33, 44, 55]
+    r = generate("--compiled", str(tmp_path), "--backend", "cpu", "--prompt-ids", json.dumps(ids),
+                 "--max-new-tokens", "5", *GREEDY)
+    [obj] = json_lines(r)
+    assert loaded == [(str(tmp_path), "cpu", "default")]
+    assert obj["output_ids"] == greedy(small_engine, ids, 5)
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"graphs: preset default, {len(expand_default())} compiled (cpu, from {tmp_path}); ran: ")
+    assert "(compiled)" in line and "(eager)" not in line and "prefill-" in line and "decode-" in line
+
+
+def expand_default():
+    from trnrt.compile import expand
+    from trnrt.config.presets import load_preset
+
+    return expand(load_preset("default"))
+
+
+@pytest.mark.parametrize("args, where", [
+    (["--preset", "no-such-preset"], "--preset"),
+    (["--compiled", "MISSING"], "--compiled"),
+])
+def test_generate_bad_preset_or_compiled_exits_2(tmp_path, args, where, generate):
+    args = [str(tmp_path / "none") if a == "MISSING" else a for a in args]
+    r = generate("--prompt-ids", "[1, 2]", "--max-new-tokens", "2", *args)
+    assert r.exit_code == 2, (r.exit_code, r.output, r.exception)
+    assert "error:" in r.stderr and where in r.stderr, r.stderr
+    assert "Traceback" not in r.output
+
+
 # -- bench -----------------------------------------------------------------------------------
 
 TINY_BENCH = ("bench", "--batch", "2", "--input-len", "8", "--output-len", "4", "--num-prompts", "2", "--json")

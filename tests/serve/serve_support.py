@@ -41,7 +41,7 @@ def record_engine_kwargs(monkeypatch) -> dict:
     """Make Engine.from_model_dir record its keyword arguments and raise ValueError (build_engine's
     usage-error path: `trnrt serve` exits 2 without starting a server). Returns the record. The
     engine is built in this process (the patch does not reach an engine process)."""
-    import trnrt.cli.serve as serve_mod
+    import trnrt.cli.serve_engine as serve_mod
     from trnrt.engine.core import engine as engine_mod
 
     monkeypatch.setattr(serve_mod, "use_engine_process", lambda args: False)

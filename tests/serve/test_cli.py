@@ -31,7 +31,7 @@ def test_help_lists_sglang_flags():
 def test_stream_interval_reaches_the_engine_and_is_validated(monkeypatch):
     from typer.testing import CliRunner
 
-    from trnrt.cli import app, serve as serve_cli
+    from trnrt.cli import app, server_args as serve_cli
     from trnrt.engine.core import engine as engine_mod
 
     seen = record_engine_kwargs(monkeypatch)
@@ -39,7 +39,7 @@ def test_stream_interval_reaches_the_engine_and_is_validated(monkeypatch):
     assert r.exit_code == 2 and seen["stream_interval"] == 4
     r = CliRunner().invoke(app, ["serve", "--stream-interval", "0"])
     assert r.exit_code == 2 and "stream-interval" in r.output
-    assert serve_cli.ServeArgs().stream_interval == 1
+    assert serve_cli.ServerArgs().stream_interval == 1
     with pytest.raises(ValueError, match="stream_interval"):
         engine_mod.Engine(None, None, None, None, None, start=False, stream_interval=0)
 
@@ -167,7 +167,7 @@ def test_bad_log_level_is_usage_error(monkeypatch):
     error naming the flag (exit 2) before a model is loaded."""
     from typer.testing import CliRunner
 
-    import trnrt.cli.serve as serve_mod
+    import trnrt.cli.serve_engine as serve_mod
     from trnrt.cli import app
     from trnrt.engine.core import engine as engine_mod
 
@@ -184,3 +184,19 @@ def test_bad_log_level_is_usage_error(monkeypatch):
     assert "--log-level" in r.output and "critical" in r.output
     r = CliRunner().invoke(app, ["serve", "--log-level", "WARNING"])
     assert r.exit_code == 2 and len(built) == 1 and "stop here" in r.output  # accepted, then build_engine
+
+
+def test_server_args_are_the_commands_options():
+    """Every `trnrt serve` option is the ServerArgs field of its name, and ServerArgs.from_cli of
+    the command's defaults is ServerArgs(): one default per option."""
+    import dataclasses
+
+    import typer
+
+    from trnrt.cli import app
+    from trnrt.cli.server_args import ServerArgs
+
+    cmd = typer.main.get_command(app).commands["serve"]
+    params = {p.name: p.default for p in cmd.params if p.name != "help"}
+    assert set(params) == {f.name for f in dataclasses.fields(ServerArgs)}
+    assert ServerArgs.from_cli(params) == ServerArgs()

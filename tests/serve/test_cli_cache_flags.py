@@ -25,7 +25,7 @@ def invoke(*args: str):
 def captured(monkeypatch):
     """Engine.from_model_dir replaced: records its keywords, then stops the CLI (exit 2). Built in
     this process (the patch does not reach an engine process)."""
-    import trnrt.cli.serve as serve_mod
+    import trnrt.cli.serve_engine as serve_mod
     from trnrt.engine.core import engine as engine_mod
 
     monkeypatch.setattr(serve_mod, "use_engine_process", lambda args: False)
@@ -101,7 +101,7 @@ def test_flags_reach_the_engine(captured):
 
 
 def test_defaults_are_sglangs(captured):
-    from trnrt.cli.serve import ServeArgs
+    from trnrt.cli.server_args import ServerArgs
     from trnrt.engine.cache.cache_config import PrefixCacheConfig
 
     r = invoke()
@@ -115,14 +115,15 @@ def test_defaults_are_sglangs(captured):
     invoke("--disable-radix-cache")
     assert captured["prefix_cache_config"].enabled is False
     # admission: 2 x running without a queue limit; with one, the engine answers past it
-    assert ServeArgs(max_running_requests=4).max_concurrent_requests == 8
-    assert ServeArgs(max_running_requests=4, max_queued_requests=2).max_concurrent_requests == 4 + 2 + 8
+    assert ServerArgs(max_running_requests=4).max_concurrent_requests == 8
+    assert ServerArgs(max_running_requests=4, max_queued_requests=2).max_concurrent_requests == 4 + 2 + 8
 
 
 def test_scripted_engine_gets_the_scheduling_flags(tok_dir):
-    from trnrt.cli.serve import ServeArgs, build_engine
+    from trnrt.cli.server_args import ServerArgs
+    from trnrt.cli.serve_engine import build_engine
 
-    args = ServeArgs(model=str(tok_dir), scripted=True, max_running_requests=2, max_queued_requests=3,
+    args = ServerArgs(model=str(tok_dir), scripted=True, max_running_requests=2, max_queued_requests=3,
                      enable_priority_scheduling=True, schedule_policy="lof", default_priority_value=1)
     engine, _ = build_engine(args)
     try:

@@ -33,7 +33,7 @@ def test_busy_port_is_a_usage_error_naming_the_flag(tok_dir):
 @pytest.fixture
 def captured(monkeypatch):
     """Stop `serve` right after it built its settings; return them."""
-    import trnrt.cli.serve as serve_mod
+    import trnrt.cli.serve_engine as serve_mod
 
     seen = {}
 

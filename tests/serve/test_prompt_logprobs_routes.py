@@ -391,7 +391,8 @@ def test_the_flag_reaches_the_engine(monkeypatch, tok_dir):
     from typer.testing import CliRunner
 
     from trnrt.cli import app
-    from trnrt.cli.serve import ServeArgs, build_engine
+    from trnrt.cli.server_args import ServerArgs
+    from trnrt.cli.serve_engine import build_engine
     seen = record_engine_kwargs(monkeypatch)
     r = CliRunner().invoke(app, ["serve", "--prompt-logprobs", "--disable-compiled-cache"])
     assert r.exit_code == 2 and seen["prompt_logprobs"] is True, r.output
@@ -400,7 +401,7 @@ def test_the_flag_reaches_the_engine(monkeypatch, tok_dir):
     out = CliRunner().invoke(app, ["serve", "--help"], terminal_width=200, env={"COLUMNS": "200"}).output
     assert "--prompt-logprobs" in out
     for on in (True, False):
-        engine, _ = build_engine(ServeArgs(model=str(tok_dir), scripted=True, prompt_logprobs=on))
+        engine, _ = build_engine(ServerArgs(model=str(tok_dir), scripted=True, prompt_logprobs=on))
         try:
             assert engine.prompt_logprobs is on
         finally:

@@ -22,16 +22,6 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _compiled_loader(directory: str, backend: Optional[str]):
-    """A run_bench compiled_loader over trnrt.compile.load_compiled (the CLI layer may import compile)."""
-    from trnrt.compile import load_compiled
-
-    def load(model, state, engine_config):
-        return load_compiled(directory, model, state, engine_config, backend=backend)
-
-    return load
-
-
 # `trnrt bench` is a group whose callback is the offline benchmark (so `trnrt bench --batch 8 ...`
 # works as before) with one subcommand, `trnrt bench serve` (trnrt.benchmark: the HTTP serving
 # benchmark, no torch).
@@ -90,7 +80,9 @@ def bench(
             engine_config = load_preset(preset or "default")
         except PresetError as e:
             _fail(f"--preset: {e}")
-    loader = _compiled_loader(compiled, backend) if compiled is not None else None
+    from trnrt.cli.serve_engine import compiled_loader  # serve's and generate's loader
+
+    loader = compiled_loader(compiled, backend) if compiled is not None else None
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from trnrt.cli import app
+from trnrt.cli import serve_options as o
 
 # SamplingParams fields a JSONL line may override under "sampling_params".
 _LINE_PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -174,7 +175,10 @@ def _fail(message: str, code: int = 2) -> None:
 
 @app.command("generate")
 def generate(
-    model: Annotated[Optional[str], typer.Option("--model", help="Checkpoint directory (default: the embedded tiny model).")] = None,
+    model: o.Model = None,
+    preset: o.Preset = "default",
+    compiled: o.Compiled = None,
+    backend: o.Backend = None,
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", metavar="TEXT", help="Prompt text (repeatable: several prompts are batched).")] = None,
     prompt_ids: Annotated[Optional[str], typer.Option("--prompt-ids", metavar="JSON", help="JSON list of token ids, or a list of such lists.")] = None,
     chat: Annotated[Optional[str], typer.Option("--chat", metavar="JSON", help="JSON list of messages rendered with the chat template (or a list of conversations).")] = None,
@@ -189,7 +193,10 @@ def generate(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", metavar="TEXT", help="Stop string (repeatable); trimmed from the output.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object per prompt, one per line, in input order.")] = False,
 ) -> None:
-    """Generate offline for one or more prompts (batched through the engine)."""
+    """Generate offline for one or more prompts (batched through the engine).
+
+    --model, --preset, --compiled and --backend are `trnrt serve`'s (the same graphs run); the
+    graphs that ran are listed on stderr at the end."""
     sources = [n for n, v in (("--prompt", prompt), ("--prompt-ids", prompt_ids), ("--chat", chat),
                               ("--input", input_file)) if v]
     if len(sources) != 1:
@@ -212,17 +219,41 @@ def generate(
     except InputError as e:
         _fail(str(e))
 
-    from trnrt.engine.core.llm import LLM
+    from trnrt.config.presets import PresetError, read_preset
 
     try:
-        llm = LLM(model)
-    except (ValueError, OSError) as e:
-        _fail(f"--model: {e}")
+        read_preset(preset)  # before the (slow) load
+    except PresetError as e:
+        _fail(f"--preset: {e}")
+    from trnrt.cli.serve_engine import compiled_loader
+    from trnrt.engine.core.llm import LLM
+
+    loader = compiled_loader(compiled, backend) if compiled is not None else None
+    try:
+        llm = LLM(model, preset=preset, compiled_loader=loader, compiled_backend=backend or "cpu")
+    except (ValueError, OSError) as e:  # --model, or artifacts that do not fit (CompiledArtifactError)
+        _fail(f"{'--compiled' if compiled and type(e).__name__ == 'CompiledArtifactError' else '--model'}: {e}")
     try:
         code = _run(llm, specs, base, json_out)
+        typer.echo(graphs_line(llm.engine, compiled), err=True)
     finally:
         llm.shutdown()
     raise typer.Exit(code)
+
+
+def graphs_line(engine, compiled_dir: str | None) -> str:
+    """Which graphs ran: "graphs: preset P, N compiled (BACKEND, from DIR) | eager; ran: ID xN
+    (compiled|eager), ..." (the runner counts each request-serving graph call)."""
+    runner = engine.runner
+    loaded = {spec.graph_id for spec in getattr(runner, "compiled", {}) or {}}
+    info = engine.model_info
+    how = f"{len(loaded)} compiled ({info.backend}, from {compiled_dir})" if loaded else "eager"
+    spec = getattr(engine, "speculative_config", None)
+    if spec is not None:
+        how += f", speculative {spec.algorithm} k={spec.num_steps}"
+    calls = sorted(getattr(runner, "num_graph_calls", {}).items())
+    ran = ", ".join(f"{gid} x{n} ({'compiled' if gid in loaded else 'eager'})" for gid, n in calls)
+    return f"graphs: preset {info.preset}, {how}; ran: {ran or 'none'}"
 
 
 def _run(llm, specs: list[PromptSpec], base: dict, json_out: bool) -> int:

@@ -13,14 +13,15 @@ import time
 
 import pytest
 
-from trnrt.cli.serve import ServeArgs, build_engine, engine_core_factory
+from trnrt.cli.server_args import ServerArgs
+from trnrt.cli.serve_engine import build_engine, engine_core_factory
 from trnrt.engine.core.client import EngineDeadError
 from trnrt.engine.core.mp_client import MPEngineClient
 from trnrt.engine.request import GenerateRequest, InvalidRequestError, SamplingParams
 
 
-def _args(**kw) -> ServeArgs:
-    return ServeArgs(scripted=True, max_running_requests=8, **kw)
+def _args(**kw) -> ServerArgs:
+    return ServerArgs(scripted=True, max_running_requests=8, **kw)
 
 
 def _collect(stream, timeout=30.0):
@@ -45,7 +46,7 @@ def _wait(cond, timeout=10.0):
     return False
 
 
-def spec_engine_factory(args: ServeArgs):
+def spec_engine_factory(args: ServerArgs):
     """engine_core_factory's engine with speculative stats reported as a speculative engine reports
     them (module level: the spawned engine process imports it by name)."""
     engine = engine_core_factory(args)
