@@ -53,7 +53,7 @@ def resolve_server_configs(args: ServerArgs, *, compiled: bool = False) -> Serve
     """The configs of `args`; `compiled`: compiled graphs will run (their cache sizes are graph
     inputs, so they stay the preset's: see resolve_configs). Raises typer.BadParameter naming
     the flag for a usage error, and the preset's PresetError (a ValueError) when it cannot be read."""
-    from trnrt.engine.core.engine import resolve_configs
+    from trnrt.engine.core.engine_setup import resolve_configs
     from trnrt.serve import ServeSettings
 
     speculative = _speculative(args)

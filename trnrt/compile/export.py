@@ -228,7 +228,7 @@ def spec_inputs(spec: GraphSpec, engine_config: EngineConfig, vocab_size: int, d
     """Example step inputs of `spec` (base inputs, then the variant's extra inputs; a draft
     graph's own inputs, spec.draft_step.DRAFT_INPUT_NAMES)."""
     if spec.phase == "draft":  # hidden_size: the model's (its config.hidden_size), needed here only
-        from trnrt.engine.spec.draft_step import draft_example_inputs
+        from trnrt.engine.runner.graph_inputs import draft_example_inputs
 
         if hidden_size is None:
             raise ValueError(f"{spec.graph_id}: a draft graph's example inputs need the model's hidden_size")

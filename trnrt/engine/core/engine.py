@@ -36,7 +36,6 @@ from trnrt.engine.core.client import EngineLoad, ModelInfo
 from trnrt.engine.core.engine_builder import EngineBuilderMixin
 from trnrt.engine.core.engine_loop import EngineLoopMixin
 from trnrt.engine.core.engine_setup import PENALTIES, fast_decoder, special_token_id
-from trnrt.engine.core.engine_setup import resolve_configs  # noqa: F401  (trnrt.cli.serve imports it from here)
 from trnrt.engine.core.intake import IntakeMixin
 from trnrt.engine.core.messages import FlushCacheMsg
 from trnrt.engine.core.output_processor import GEN_THROUGHPUT_WINDOW_S, OutputProcessorMixin, TokenRate

@@ -254,7 +254,7 @@ class ModelRunner:
         import time
 
         if spec.phase == "draft":  # the MTP draft graph's own inputs
-            from trnrt.engine.spec.draft_step import draft_example_inputs
+            from trnrt.engine.runner.graph_inputs import draft_example_inputs
 
             inputs = draft_example_inputs(spec.batch, spec.tokens - 1, self.cfg.table_blocks(spec.context),
                                           self.model.config.hidden_size, getattr(torch, self.cfg.dtype),

@@ -77,12 +77,3 @@ class DraftFunction(nn.Module):
                 h = out.hidden
             self.state.tail.index_copy_(1, slot_ids, saved)
         return (torch.stack(drafts, 1),)  # [B, k]
-
-
-def draft_example_inputs(batch: int, k: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
-                         device="cpu") -> tuple[torch.Tensor, ...]:
-    """Padding-row inputs of the draft graph's exact shapes (they write only the scratch block and slot)."""
-    i64 = dict(dtype=torch.int64, device=device)
-    return (torch.zeros((batch, k + 1), **i64), torch.zeros((batch,), **i64), torch.zeros((batch,), **i64),
-            torch.zeros((batch, max_blocks), **i64), torch.zeros((batch,), **i64),
-            torch.zeros((batch, k + 1, hidden_size), dtype=dtype, device=device))
