@@ -23,15 +23,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from trnrt.engine.cache.cache_manager import CacheManager, IdPool
-from trnrt.engine.output.outputs import CacheOp, RunnerOutput, ScheduledSequence, SchedulerOutput, TokenLogprob
+from trnrt.engine.cache.cache_manager import CacheManager
+from trnrt.engine.output.outputs import CacheOp, ScheduledSequence, SchedulerOutput
 from trnrt.engine.request import FinishReason, GenerateRequest, InvalidRequestError, check_context_length
 from trnrt.engine.sched import schedule_policy as policy
 from trnrt.engine.output.sequence import Sequence, SequenceStatus
 from trnrt.engine.output.stop import StopChecker
+from trnrt.engine.sched.fork_groups import ForkGroups, _ForkGroup
+from trnrt.engine.sched.prefix_matching import PrefixMatching
+from trnrt.engine.sched.scheduler_config import SchedulerConfig
+from trnrt.engine.sched.scheduler_stats import SchedulerStats
+from trnrt.engine.sched.step_update import SequenceUpdate, StepUpdate
+
+__all__ = ["Scheduler", "SchedulerConfig", "SequenceUpdate"]
 
 
 def _cost(entry: ScheduledSequence) -> int:
@@ -39,118 +45,12 @@ def _cost(entry: ScheduledSequence) -> int:
     return entry.num_new_tokens + entry.num_lookahead
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Host-only scheduling settings (no graph depends on them; not part of EngineConfig).
-
-    max_num_seqs: most sequences RUNNING at once (holding pages and a slot).
-    max_num_batched_tokens: token budget of one step, decodes and prefill chunks together.
-    max_model_len: context length; prompt + output never exceed it.
-    chunked_prefill: split prompts over steps; when False a prompt is admitted only whole.
-    decode_first: running decodes take the budget before in-progress prefill chunks (ITL over TTFT).
-    max_prefill_chunk_tokens: cap on one prefill chunk (e.g. the runner's largest prefill bucket).
-
-    Policies (SGLang 0.5.23's flags and semantics, ../docs/CONFIGURATION.md):
-    schedule_policy: fcfs | lpm | dfs-weight | lof | random (cache-aware ones fall back to fcfs
-        without the prefix cache or over 128 waiting requests).
-    enable_priority_scheduling: order and preempt by GenerateRequest.priority (fcfs or lof only).
-    schedule_low_priority_values_first: smaller priority values are preferred (default: larger).
-    priority_preemption_threshold: a waiting request preempts a running one only when better by
-        more than this; disable_priority_preemption turns preemption by priority off.
-    default_priority_value: the priority of a request without one (None: the least preferred).
-    abort_on_priority_when_disabled: a request carrying a priority is refused (503) when priority
-        scheduling is off (default: the field is ignored).
-    max_queued_requests: most requests waiting at once (None: unlimited); past it, 503
-        "The request queue is full." (or, with priority scheduling, the worst waiting one is
-        displaced by a better arrival).
-    random_seed: seed of the `random` policy's shuffles (tests).
-    num_speculative_tokens: drafts a speculative request's decode step verifies (k; 0: off). Its
-        block table covers the k look-ahead positions and the step's token budget counts them;
-        fewer near max_new_tokens / max_model_len or when the budget is short.
-    """
-
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 256
-    max_model_len: int = 1024
-    chunked_prefill: bool = True
-    decode_first: bool = True
-    max_prefill_chunk_tokens: int | None = None
-    schedule_policy: str = "fcfs"
-    enable_priority_scheduling: bool = False
-    schedule_low_priority_values_first: bool = False
-    priority_preemption_threshold: int = 10
-    disable_priority_preemption: bool = False
-    default_priority_value: int | None = None
-    abort_on_priority_when_disabled: bool = False
-    max_queued_requests: int | None = None
-    random_seed: int | None = None
-    num_speculative_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        c = self.max_prefill_chunk_tokens
-        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c <= 0):
-            raise ValueError(f"max_prefill_chunk_tokens must be a positive integer or None, got {c!r}")
-        if not self.chunked_prefill and self.max_prefill_tokens < self.max_model_len:
-            # A resumed sequence re-prefills up to max_model_len - 1 tokens in one go.
-            raise ValueError(
-                "with chunked_prefill=False, max_num_batched_tokens (and max_prefill_chunk_tokens) "
-                f"must be >= max_model_len ({self.max_model_len}), got {self.max_prefill_tokens}"
-            )
-
-    @property
-    def max_prefill_tokens(self) -> int:
-        """Most tokens one prefill chunk may hold."""
-        if self.max_prefill_chunk_tokens is None:
-            return self.max_num_batched_tokens
-        return min(self.max_num_batched_tokens, self.max_prefill_chunk_tokens)
-
-
-@dataclass(eq=False)
-class _ForkGroup:
-    """The choices of one `n` > 1 request (GenerateRequest.prefix_group): the leader computes the
-    shared prompt up to `fork_pos` (= prompt length - 1), its slot is checkpointed there and the
-    followers, held out of the waiting queue until then, fork from it: they share its full pages,
-    get a copy of the partial last page and the checkpoint, and compute only the last prompt token
-    (each samples its own first token)."""
-
-    name: str
-    leader: Sequence
-    fork_pos: int
-    held: list[Sequence] = field(default_factory=list)  # followers not yet forked, arrival order
-    ready: bool = False
-    checkpoint: int | None = None  # the leader's state at fork_pos
-    pages: list[int] = field(default_factory=list)  # the leader's pages covering [0, fork_pos), retained
-    pending_snapshot: int | None = None  # checkpoint id of a save_slot scheduled this step
-
-
-@dataclass
-class SequenceUpdate:
-    """What changed for one sequence in update_from_output: new tokens and/or its finish.
-
-    `seq` is the live Sequence (read-only for the caller: prompt/output lengths, timestamps).
-    """
-
-    seq: Sequence
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.seq.request_id
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-class Scheduler:
+class Scheduler(ForkGroups, PrefixMatching, StepUpdate, SchedulerStats):
     """Waiting/running queues over a CacheManager.
+
+    Its methods by job: admission, queries, schedule() and preemption here; the `n` > 1 forks in
+    fork_groups.py, the prefix cache's matching and snapshots in prefix_matching.py,
+    update_from_output in step_update.py, stats and check_integrity in scheduler_stats.py.
 
     Args:
         config: scheduling limits.
@@ -296,83 +196,6 @@ class Scheduler:
         self.waiting.append(seq)
         return seq
 
-    # -- n > 1: forks of a shared prompt ---------------------------------------------------------
-
-    def _group_of(self, seq: Sequence) -> "_ForkGroup | None":
-        name = getattr(seq, "fork_group", None)
-        return self._groups.get(name) if name is not None else None
-
-    def _release_group(self, name: str, *, requeue: bool) -> None:
-        """Drop a group's fork state; with `requeue`, its held followers go to the waiting front
-        as ordinary requests (the leader is gone before the fork: each computes its prompt)."""
-        g = self._groups.pop(name)
-        if g.pages:
-            self.cache.release(g.pages)
-            g.pages = []
-        if g.checkpoint is not None:
-            self.prefix_cache.checkpoints.free([g.checkpoint])
-            g.checkpoint = None
-        if g.pending_snapshot is not None:
-            self.prefix_cache.checkpoints.free([g.pending_snapshot])
-            g.pending_snapshot = None
-        for f in reversed(g.held):
-            f.fork_group = None
-            if requeue:
-                self.waiting.appendleft(f)
-        g.held = []
-
-    def _plan_fork_snapshot(self, seq: Sequence, end: int, out: SchedulerOutput) -> None:
-        g = self._group_of(seq)
-        if g is None or g.leader is not seq or g.ready or g.pending_snapshot is not None:
-            return
-        if end > g.fork_pos:
-            # chunks that start before fork_pos are cut there, so the leader started past it (its
-            # prompt came from the cache): the others will find it there too
-            self._release_group(g.name, requeue=True)
-            seq.fork_group = None
-            return
-        if end != g.fork_pos:
-            return
-        ids = self.prefix_cache.checkpoints.allocate(1)
-        if ids is None:
-            self.prefix_cache.evict(num_checkpoints=1)
-            ids = self.prefix_cache.checkpoints.allocate(1)
-        if ids is None:  # no checkpoint to fork from: the choices compute their prompts each
-            self._release_group(g.name, requeue=True)
-            seq.fork_group = None
-            return
-        g.pending_snapshot = ids[0]
-        out.snapshot_ops.append(CacheOp("save_slot", (seq.slot_id,), (ids[0],)))
-
-    def _commit_fork(self, seq: Sequence) -> None:
-        """The leader's state at fork_pos is checkpointed: its followers may fork."""
-        g = self._group_of(seq)
-        if g is None or g.pending_snapshot is None or g.leader is not seq:
-            return
-        g.checkpoint, g.pending_snapshot = g.pending_snapshot, None
-        n_pages = self.cache.num_blocks_for(g.fork_pos)
-        g.pages = list(seq.block_ids[:n_pages])
-        self.cache.retain(g.pages)
-        g.ready = True
-        for f in reversed(g.held):  # they arrived with the leader: they go first
-            self.waiting.appendleft(f)
-        g.held = []
-
-    def _fork(self, seq: Sequence, g: "_ForkGroup") -> None:
-        """Admit follower `seq` at the group's fork position (the caller checked the page)."""
-        bs = self.cache.block_size
-        full = g.fork_pos // bs
-        self.cache.share_blocks(seq, g.pages[:full])
-        if g.fork_pos % bs:
-            (page,) = self.cache.allocate_raw(1)
-            seq.block_ids.append(page)
-            self.prefix_cache._ops.append(CacheOp("copy_pages", (g.pages[full],), (page,)))
-        seq.num_computed_tokens = g.fork_pos
-        seq.fork_source = g.checkpoint
-        seq.num_cached_tokens = g.fork_pos
-        self.num_cached_tokens_total += g.fork_pos
-        self.num_forked += 1
-
     def take_finished(self) -> list[Sequence]:
         """Sequences the scheduler ended by itself since the last call (displaced from a full
         queue); the engine emits their final output."""
@@ -419,62 +242,6 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
-
-    def stats(self) -> dict:
-        """Scheduler gauges for /v1/stats."""
-        return {
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "num_preempted_waiting": sum(s.status is SequenceStatus.PREEMPTED for s in self.waiting),
-            "num_preemptions_total": self.num_preemptions_total,
-            "num_used_blocks": self.cache.num_used_blocks,
-            "num_free_blocks": self.cache.num_free_blocks,
-            "num_used_slots": self.cache.num_used_slots,
-            "cache_usage": self.cache.usage,
-            "prefix_cache": self.prefix_cache is not None,
-            "num_cached_tokens_total": self.num_cached_tokens_total,
-            "cache_hit_rate": self.cache_hit_rate,
-        }
-
-    @property
-    def cache_hit_rate(self) -> float:
-        """Prompt tokens served from the prefix cache / prompt tokens admitted (first admissions)."""
-        n = self.num_prompt_tokens_admitted
-        return self.num_cached_tokens_total / n if n else 0.0
-
-    def check_integrity(self) -> None:
-        """Cache books balance against the live sequences; queues hold exactly the live ones."""
-        pc = self.prefix_cache
-        self.cache.check_integrity(self.requests.values(), extra_refs=(pc.device_page_refs() if pc else [])
-                                   + [b for g in self._groups.values() for b in g.pages])
-        if pc is not None:
-            pc.check_integrity()
-            pc.checkpoints.check_integrity(
-                pc.checkpoint_ids() + [c for _, c in self._pending_snapshots.values()]
-                + [c for g in self._groups.values() for c in (g.checkpoint, g.pending_snapshot) if c is not None])
-            if pc.has_host_tier:
-                pc.host_pages.check_integrity(pc.host_page_ids())
-                pc.host_checkpoints.check_integrity(pc.host_checkpoint_ids())
-            # every lock is a live running sequence's
-            expected: dict[int, int] = {}
-            for seq in self.requests.values():
-                node = seq.cache_node
-                if node is not None:
-                    assert seq.status is SequenceStatus.RUNNING, seq
-                while node is not None and not node.is_root:
-                    expected[node.id] = expected.get(node.id, 0) + 1
-                    node = node.parent
-            for node in pc._nodes():
-                assert node.lock_ref == expected.get(node.id, 0), (node, expected.get(node.id, 0))
-        live = set(self.requests)
-        held = [f for g in self._groups.values() for f in g.held]
-        queued = ([s.request_id for s in self.waiting] + [s.request_id for s in self.running]
-                  + [s.request_id for s in held])
-        assert len(queued) == len(set(queued)) and set(queued) == live, (queued, live)
-        for s in self.waiting:
-            assert not s.block_ids and s.slot_id is None and s.num_computed_tokens == 0, s
-        for s in self.running:
-            assert s.status is SequenceStatus.RUNNING and s.slot_id is not None, s
 
     # -- schedule ----------------------------------------------------------------------------
 
@@ -582,14 +349,6 @@ class Scheduler:
             out.cache_ops = self.prefix_cache.take_ops()
         return out
 
-    def _match_for_policy(self, seq: Sequence):
-        """(matched tokens, node) for the cache-aware policies; touches nothing, locks nothing."""
-        if seq.num_tokens < 2 or seq.sampling_params.prompt_logprobs is not None:
-            return 0, None
-        m = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1), touch=False,
-                                    namespace=seq.cache_namespace)
-        return m.num_tokens, m.node
-
     def _preempt_for(self, incoming: Sequence, tokens_needed: int, entries: dict, preempted: list) -> bool:
         """Priority preemption (SGLang's preempt_to_schedule): preempt running sequences worse
         than `incoming` by more than the threshold until it fits. Victims scheduled earlier in
@@ -643,110 +402,6 @@ class Scheduler:
                         n = g.fork_pos - start  # stop where the choices fork
         return n
 
-    # -- prefix cache --------------------------------------------------------------------------
-
-    def _can_allocate_for(self, seq: Sequence, num_tokens_total: int, *, extra_pages: int = 0,
-                          shared=None) -> bool:
-        """CacheManager.can_allocate_for, after evicting unlocked cached pages if that helps.
-
-        `shared`: a PrefixMatch the sequence will resume through (its pages are shared, not new);
-        `extra_pages`: pages to allocate besides the block table's growth (host-tier loads).
-        """
-        c = self.cache
-        skip = shared.num_tokens // c.block_size if shared is not None else 0
-        need = max(0, c.num_blocks_for(num_tokens_total) - max(len(seq.block_ids), skip)) + extra_pages
-        need_slot = 1 if seq.slot_id is None else 0
-        if c.can_allocate(need, need_slot):
-            return True
-        if self.prefix_cache is not None and need > c.num_free_blocks:
-            self.prefix_cache.evict(need)
-        return c.can_allocate(need, need_slot)
-
-    def _match(self, seq: Sequence):
-        """The usable cached prefix of a waiting sequence (locked, so that evictions made for its
-        own pages cannot take it), or None. Sets num_computed_tokens to the resume position so
-        that the chunk size is computed from there; `_unmatch` undoes both."""
-        if self.prefix_cache is None or seq.num_computed_tokens or seq.num_tokens < 2 or seq.speculative:
-            return None
-        if seq.sampling_params.prompt_logprobs is not None:
-            return None  # every prompt position must be computed for its logprob
-        m = self.prefix_cache.match(seq.token_slice(0, seq.num_tokens - 1), namespace=seq.cache_namespace)
-        if m.num_tokens == 0:
-            return None
-        self.prefix_cache.lock(m.node)
-        seq.num_computed_tokens = m.num_tokens
-        return m
-
-    def _unmatch(self, seq: Sequence, match) -> None:
-        if match is not None:
-            self.prefix_cache.unlock(match.node)
-            seq.num_computed_tokens = 0
-
-    def _resume(self, seq: Sequence, m, first: bool) -> None:
-        """Admit `seq` through the locked match `m`: load host-only nodes back, share the path's
-        pages, and queue the restore of the checkpoint into the slot (allocated in _schedule_seq)."""
-        pc = self.prefix_cache
-        host_tokens = m.host_tokens  # before the load makes them device-resident
-        pc.load_to_device(m)
-        pc.record_hit(m)
-        for node in m.path:
-            self.cache.share_blocks(seq, node.device_pages)
-        seq.cache_node = m.node
-        if first:
-            seq.num_cached_tokens = m.num_tokens
-            seq.num_cached_tokens_host = host_tokens
-            self.num_cached_tokens_total += m.num_tokens
-            self.num_cached_tokens_host_total += host_tokens
-            self.num_prefix_hits += 1
-
-    def _plan_snapshot(self, seq: Sequence, end: int, out: SchedulerOutput) -> None:
-        """After this step `seq`'s slot holds the state at `end`: keep it if `end` is a checkpoint
-        position the tree lacks and a checkpoint id can be had."""
-        pc = self.prefix_cache
-        if pc is None or end % self.checkpoint_interval or end == 0:
-            return
-        if pc.has_checkpoint_at(seq.token_slice(0, end), seq.cache_namespace):
-            return
-        ids = pc.checkpoints.allocate(1)
-        if ids is None:
-            pc.evict(num_checkpoints=1)
-            ids = pc.checkpoints.allocate(1)
-            if ids is None:
-                return  # every checkpoint is in use by a running request's path: skip this one
-        self._pending_snapshots[seq.request_id] = (end, ids[0])
-        out.snapshot_ops.append(CacheOp("save_slot", (seq.slot_id,), (ids[0],)))
-
-    def _drop_snapshot(self, request_id: str) -> None:
-        pending = self._pending_snapshots.pop(request_id, None)
-        if pending is not None:
-            self.prefix_cache.checkpoints.free([pending[1]])
-
-    def _commit_snapshot(self, seq: Sequence) -> None:
-        """The step that snapshotted `seq` succeeded: insert its prefix with the checkpoint."""
-        end, ckpt = self._pending_snapshots.pop(seq.request_id)
-        pc = self.prefix_cache
-        node, adopted = pc.insert(seq.token_slice(0, end), seq.block_ids, ckpt, priority=seq.priority or 0,
-                                  namespace=seq.cache_namespace)
-        if not adopted:
-            pc.checkpoints.free([ckpt])
-        pc.lock(node)
-        if seq.cache_node is not None:
-            pc.unlock(seq.cache_node)
-        seq.cache_node = node
-
-    def _release_cache_node(self, seq: Sequence) -> None:
-        if seq.cache_node is not None:
-            self.prefix_cache.unlock(seq.cache_node)
-            seq.cache_node = None
-        if self._pending_snapshots:
-            self._drop_snapshot(seq.request_id)
-
-    def flush_prefix_cache(self) -> None:
-        """Idle only: drop every cached page and checkpoint (both tiers)."""
-        if self.prefix_cache is not None:
-            assert not self.requests, "flush_prefix_cache with live requests"
-            self.prefix_cache.reset()
-
     def _schedule_seq(self, seq: Sequence, num_new: int, out: SchedulerOutput | None = None,
                       lookahead: int = 0) -> ScheduledSequence:
         start = seq.num_computed_tokens
@@ -786,30 +441,6 @@ class Scheduler:
             else None,
         )
 
-    def _leave_group(self, seq: Sequence) -> None:
-        """`seq` finishes or is preempted: a held follower leaves its group; a leader that has not
-        forked yet gives its followers back to the queue as ordinary requests; a group whose last
-        follower leaves is dropped."""
-        g = self._group_of(seq)
-        if g is None:
-            return
-        name = seq.fork_group
-        if seq in g.held:
-            g.held.remove(seq)
-            seq.fork_group = None
-            if not g.held and g.ready:
-                self._release_group(name, requeue=False)
-            return
-        if g.leader is seq and not g.ready:
-            self._release_group(name, requeue=True)
-            seq.fork_group = None
-        elif g.leader is not seq:
-            seq.fork_group = None
-            if g.ready and not any(getattr(w, "fork_group", None) == name for w in self.waiting):
-                self._release_group(name, requeue=False)
-        else:
-            seq.fork_group = None  # a ready group's leader: its followers keep their fork
-
     def _preempt(self, seq: Sequence) -> None:
         if self._groups:
             self._leave_group(seq)
@@ -840,67 +471,3 @@ class Scheduler:
         del self.requests[seq.request_id]
         self._finished_since_schedule.append(seq.request_id)
 
-    # -- update ------------------------------------------------------------------------------
-
-    def update_from_output(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> list[SequenceUpdate]:
-        """Advance the scheduled sequences by what the runner computed and sampled.
-
-        Appends sampled tokens, checks token stops (max_new_tokens, max_model_len, stop_token_ids,
-        EOS) and frees finished sequences. Sequences finished or aborted since schedule() are
-        skipped. Returns one update per sequence that got a token or finished, in batch order.
-        """
-        if len(runner_out.sampled_token_ids) != len(sched_out.scheduled):
-            raise ValueError(
-                f"RunnerOutput has {len(runner_out.sampled_token_ids)} rows for "
-                f"{len(sched_out.scheduled)} scheduled sequences"
-            )
-        logprobs = runner_out.logprobs or [None] * len(sched_out.scheduled)
-        extras = runner_out.extra_token_ids or [()] * len(sched_out.scheduled)
-        now = self.clock()
-        updates: list[SequenceUpdate] = []
-        for entry, token, lp, extra in zip(sched_out.scheduled, runner_out.sampled_token_ids, logprobs, extras):
-            seq = self.requests.get(entry.request_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted/finished in between: its pages are already free
-            if seq.num_computed_tokens != entry.num_computed_tokens:
-                continue  # stale entry (e.g. a request id reused after an abort)
-            error = runner_out.failed.get(entry.request_id)
-            if error is None and entry.do_sample and token is None:
-                error = "the model runner returned no token"
-            if error is not None:
-                reason = FinishReason("abort", message=error)
-                self._finish(seq, reason)
-                updates.append(SequenceUpdate(seq, finish_reason=reason, error=error))
-                continue
-            seq.num_computed_tokens += entry.num_new_tokens
-            if self._pending_snapshots and seq.request_id in self._pending_snapshots:
-                self._commit_snapshot(seq)
-            if self._groups:
-                self._commit_fork(seq)
-            if not entry.do_sample:
-                continue  # partial prefill chunk: state written, nothing sampled
-            if seq.sampling_params.max_new_tokens == 0:  # a prompt scored for its logprobs only
-                reason = FinishReason("length")
-                self._finish(seq, reason)
-                updates.append(SequenceUpdate(seq, finish_reason=reason))
-                continue
-            seq.append_token(int(token), lp)
-            if seq.first_token_time_s is None:
-                seq.first_token_time_s = now
-            reason = self.stop_checker.check_token(seq)
-            new_ids, new_lps = [int(token)], [lp]
-            # A verify's accepted drafts and its correction: each emitted token's position was fed
-            # (computed) before the next one is appended, as plain decoding leaves them; a stop
-            # drops the rest.
-            for t in extra if len(extra) <= entry.num_lookahead else ():
-                if reason is not None:
-                    break
-                seq.num_computed_tokens += 1
-                seq.append_token(int(t), None)
-                new_ids.append(int(t))
-                new_lps.append(None)
-                reason = self.stop_checker.check_token(seq)
-            if reason is not None:
-                self._finish(seq, reason)
-            updates.append(SequenceUpdate(seq, new_token_ids=new_ids, new_logprobs=new_lps, finish_reason=reason))
-        return updates
