@@ -33,6 +33,7 @@ from trnrt.engine.cache.cache_manager import CacheManager, IdPool
 from trnrt.engine.cache.eviction_policy import LRUStrategy
 from trnrt.engine.output.outputs import CacheOp
 from trnrt.engine.cache.radix_node import TreeNode
+from trnrt.engine.cache.host_tier import HostTier
 
 
 @dataclass
@@ -67,8 +68,9 @@ class PrefixMatch:
         return sum(len(n.host_pages or ()) for n in self.path if not n.on_device)
 
 
-class RadixCache:
-    """The radix prefix cache (see the module docstring).
+class RadixCache(HostTier):
+    """The radix prefix cache (see the module docstring); its host tier's methods are in
+    cache/host_tier.py.
 
     Args:
         pages: the CacheManager whose pages the tree references.
@@ -219,21 +221,6 @@ class RadixCache:
             self._evictable += delta
         node.device_pages = pages
 
-    # -- host tier: loading back -----------------------------------------------------------------
-
-    def load_to_device(self, m: PrefixMatch) -> int:
-        """Bring the host-only nodes of `m` back to the device: new pages (the caller made sure
-        `m.num_host_pages` are free), copies queued. Returns the pages loaded."""
-        loaded = 0
-        for node in m.host_nodes:
-            assert node.host_pages is not None
-            dev = self.pages.allocate_raw(len(node.host_pages))
-            self._ops.append(CacheOp("pages_to_device", tuple(node.host_pages), tuple(dev)))
-            self._set_device_pages(node, dev)
-            loaded += len(dev)
-        self.num_host_loaded_pages += loaded
-        return loaded
-
     # -- insert --------------------------------------------------------------------------------
 
     def _split(self, child: TreeNode, k_pages: int) -> TreeNode:
@@ -320,35 +307,6 @@ class RadixCache:
                 self._write_host_checkpoint(node)
         return node, adopted
 
-    # -- host tier: writing ----------------------------------------------------------------------
-
-    def _write_host(self, node: TreeNode) -> bool:
-        """Give `node` a host copy of its pages (and checkpoint). False if the host is full."""
-        if not self.has_host_tier or node.host_pages is not None or node.device_pages is None:
-            return node.host_pages is not None
-        n = len(node.device_pages)
-        hp = self.host_pages.allocate(n)
-        if hp is None:
-            self._evict_host(n - self.host_pages.num_free, protect=node)
-            hp = self.host_pages.allocate(n)
-            if hp is None:
-                return False
-        node.host_pages = hp
-        self._ops.append(CacheOp("pages_to_host", tuple(node.device_pages), tuple(hp)))
-        self.num_host_written_pages += n
-        if node.checkpoint is not None:
-            self._write_host_checkpoint(node)
-        return True
-
-    def _write_host_checkpoint(self, node: TreeNode) -> None:
-        hc = self.host_checkpoints.allocate(1)
-        if hc is None:
-            self._evict_host(0, protect=node, checkpoints=1)
-            hc = self.host_checkpoints.allocate(1)
-        if hc is not None:
-            node.host_checkpoint = hc[0]
-            self._ops.append(CacheOp("ckpt_to_host", (node.checkpoint,), (hc[0],)))
-
     # -- eviction --------------------------------------------------------------------------------
 
     def _nodes(self) -> Iterable[TreeNode]:
@@ -421,27 +379,6 @@ class RadixCache:
                     if r is parent and ns is not None:
                         del self._roots[ns]
 
-    def _evict_host(self, num_pages: int, *, protect: TreeNode | None = None, checkpoints: int = 0) -> None:
-        """Drop host-only leaves (strategy order) until `num_pages` host pages and `checkpoints`
-        host checkpoint ids are free."""
-        if not self.has_host_tier:
-            return
-        protected = set()
-        n = protect
-        while n is not None:
-            protected.add(n.id)
-            n = n.parent
-        heap = [(self.strategy.key(n), n.id, n) for n in self._nodes()
-                if not n.on_device and not n.children and n.lock_ref == 0 and n.id not in protected]
-        heapq.heapify(heap)
-        while heap and (self.host_pages.num_free < num_pages or self.host_checkpoints.num_free < checkpoints):
-            _, _, node = heapq.heappop(heap)
-            parent = node.parent
-            self._delete_subtree(node)
-            if parent is not None and not parent.is_root and not parent.on_device and not parent.children \
-                    and parent.lock_ref == 0 and parent.id not in protected:
-                heapq.heappush(heap, (self.strategy.key(parent), parent.id, parent))
-
     # -- whole-cache operations ------------------------------------------------------------------
 
     def reset(self) -> None:
@@ -464,14 +401,6 @@ class RadixCache:
             else:
                 self._drop_host_copy(node)
         self._ops.clear()
-
-    def _drop_host_copy(self, node: TreeNode) -> None:
-        if node.host_pages is not None:
-            self.host_pages.free(node.host_pages)
-            node.host_pages = None
-        if node.host_checkpoint is not None:
-            self.host_checkpoints.free([node.host_checkpoint])
-            node.host_checkpoint = None
 
     def device_page_refs(self) -> list[int]:
         """Every device page reference the tree holds (for CacheManager.check_integrity)."""
