@@ -9,13 +9,8 @@ method here is a no-op or is never reached.
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
-
-from trnrt.engine.cache.radix_node import TreeNode
+from trnrt.engine.cache.radix_node import PrefixMatch, TreeNode
 from trnrt.engine.output.outputs import CacheOp
-
-if TYPE_CHECKING:
-    from trnrt.engine.cache.radix_cache import PrefixMatch
 
 
 class HostTier:

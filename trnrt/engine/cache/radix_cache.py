@@ -26,46 +26,15 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence as Seq
 
 from trnrt.engine.cache.cache_manager import CacheManager, IdPool
 from trnrt.engine.cache.eviction_policy import LRUStrategy
 from trnrt.engine.output.outputs import CacheOp
-from trnrt.engine.cache.radix_node import TreeNode
+from trnrt.engine.cache.radix_node import PrefixMatch, TreeNode
 from trnrt.engine.cache.host_tier import HostTier
 
-
-@dataclass
-class PrefixMatch:
-    """Result of `RadixCache.match`: resume at `node` (the root when nothing is usable).
-
-    path: the nodes from the root's child down to `node`, in order. `device_tokens` of them are
-    device-resident; the rest (`host_nodes`) are only in host memory and must be loaded back.
-    """
-
-    node: TreeNode
-    path: list[TreeNode] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.node.end_pos
-
-    @property
-    def host_nodes(self) -> list[TreeNode]:
-        return [n for n in self.path if not n.on_device]
-
-    @property
-    def device_tokens(self) -> int:
-        return sum(n.num_tokens for n in self.path if n.on_device)
-
-    @property
-    def host_tokens(self) -> int:
-        return sum(n.num_tokens for n in self.path if not n.on_device)
-
-    @property
-    def num_host_pages(self) -> int:
-        return sum(len(n.host_pages or ()) for n in self.path if not n.on_device)
+__all__ = ["PrefixMatch", "RadixCache"]
 
 
 class RadixCache(HostTier):

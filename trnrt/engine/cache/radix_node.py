@@ -1,4 +1,5 @@
-"""TreeNode: one edge of the radix prefix cache (trnrt.engine.cache.radix_cache). Pure Python.
+"""TreeNode: one edge of the radix prefix cache (trnrt.engine.cache.radix_cache), and PrefixMatch,
+the path a match found. Pure Python.
 
 Kept in its own module so the eviction policies (trnrt.engine.cache.eviction_policy) and the scheduling
 policies (trnrt.engine.sched.schedule_policy) can read nodes without importing the tree.
@@ -71,3 +72,35 @@ class TreeNode:
     def __repr__(self) -> str:
         return (f"TreeNode(#{self.id}, [{self.start_pos}:{self.end_pos}], dev={self.device_pages}, "
                 f"host={self.host_pages}, ckpt={self.checkpoint}/{self.host_checkpoint}, lock={self.lock_ref})")
+
+
+@dataclass
+class PrefixMatch:
+    """Result of `RadixCache.match`: resume at `node` (the root when nothing is usable).
+
+    path: the nodes from the root's child down to `node`, in order. `device_tokens` of them are
+    device-resident; the rest (`host_nodes`) are only in host memory and must be loaded back.
+    """
+
+    node: TreeNode
+    path: list[TreeNode] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.node.end_pos
+
+    @property
+    def host_nodes(self) -> list[TreeNode]:
+        return [n for n in self.path if not n.on_device]
+
+    @property
+    def device_tokens(self) -> int:
+        return sum(n.num_tokens for n in self.path if n.on_device)
+
+    @property
+    def host_tokens(self) -> int:
+        return sum(n.num_tokens for n in self.path if not n.on_device)
+
+    @property
+    def num_host_pages(self) -> int:
+        return sum(len(n.host_pages or ()) for n in self.path if not n.on_device)

@@ -22,7 +22,8 @@ from trnrt.engine.request import GenerateRequest
 from trnrt.serve.http.errors import bad_request, safe, unsupported
 from trnrt.serve.protocol.fields import check_unicode_tree, is_text
 from trnrt.serve.protocol.fields import read_bool, read_int, read_num, read_str
-from trnrt.serve.protocol.openai import ChatRequest, _check_json_schema, context_check
+from trnrt.serve.protocol.chat_messages import _check_json_schema
+from trnrt.serve.protocol.openai import ChatRequest, context_check
 from trnrt.serve.protocol.sampling import MAX_STOP_STRINGS, Spelling, check_sampling, read_sampling
 from trnrt.serve.protocol.tool_choice import check_named, read_anthropic as read_anthropic_tool_choice
 

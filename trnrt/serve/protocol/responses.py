@@ -20,7 +20,8 @@ from trnrt.engine.request import SamplingParams
 from trnrt.serve.http.errors import APIError, bad_request, safe, unsupported
 from trnrt.serve.protocol.fields import check_unicode_tree, is_text
 from trnrt.serve.protocol.fields import read_bool, read_int, read_str
-from trnrt.serve.protocol.openai import REASONING_EFFORTS, ChatRequest, _check_json_schema
+from trnrt.serve.protocol.chat_messages import _check_json_schema
+from trnrt.serve.protocol.openai import REASONING_EFFORTS, ChatRequest
 from trnrt.serve.protocol.sampling import OPENAI, check_sampling, read_sampling
 from trnrt.serve.protocol.structured import read_text_format
 from trnrt.serve.protocol.tool_choice import FORCED as FORCED_TOOL, check_named, read_openai as read_tool_choice
