@@ -13,6 +13,9 @@ import pytest
 # unpatched code. Only the compile fixtures (tests/compile/conftest.py) and the cache's own tests
 # turn it on.
 os.environ["TRNRT_GRAPH_CACHE"] = "0"
+# For the same reason graph-equiv exports in the test process (a spawned export worker would import
+# the unpatched source); tests/compile/test_export_pool.py runs the parallel exports on purpose.
+os.environ["TRNRT_VERIFY_JOBS"] = "1"
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m / --lf have deselected

@@ -93,7 +93,7 @@ def test_a_planted_upward_import_breaks_the_engine_stages_contract(tmp_path):
 
 def test_no_import_circle():
     """No module of trnrt imports itself back through others (imports inside functions count)."""
-    from import_graph import cycles, import_graph
+    from trnrt.compile.import_graph import cycles, import_graph
 
     found = cycles(import_graph(ROOT))
     assert not found, "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
@@ -104,7 +104,7 @@ def test_a_planted_import_circle_is_found(tmp_path):
     planted back inside a function) is reported."""
     import shutil as _sh
 
-    from import_graph import cycles, import_graph
+    from trnrt.compile.import_graph import cycles, import_graph
 
     _sh.copytree(ROOT / "trnrt", tmp_path / "trnrt", ignore=_sh.ignore_patterns("__pycache__"))
     req = tmp_path / "trnrt" / "engine" / "request.py"

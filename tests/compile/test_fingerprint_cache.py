@@ -81,3 +81,40 @@ def test_key_covers_preset_model_flags_and_graph():
     assert k == fingerprint_cache.key("p", tiny, [], GID)
     assert len({k, fingerprint_cache.key("q", tiny, [], GID), fingerprint_cache.key("p", real, [], GID),
                 fingerprint_cache.key("p", tiny, ["penalties"], GID), fingerprint_cache.key("p", tiny, [], "x")}) == 5
+
+
+def test_key_follows_the_traced_sources_only(tmp_path):
+    """The source part of the key digests the files a graph can import (the model, the step
+    functions, the sampler, compile/, the fused kernels' C++): an edit to one changes it, an edit
+    to the server or the scheduler does not."""
+    import shutil
+    from pathlib import Path
+
+    import trnrt
+
+    pkg = tmp_path / "trnrt"
+    shutil.copytree(Path(trnrt.__file__).resolve().parent, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    traced = {str(f.relative_to(pkg)) for f in fingerprint_cache.traced_sources(pkg)}
+    for rel in ("models/glm5_next/model.py", "models/glm5_next/moe.py", "engine/runner/step.py",
+                "engine/sample/sampler.py", "compile/export.py", "models/kernels/cpu_ops.cpp", "__init__.py"):
+        assert rel in traced, rel
+    for rel in ("serve/app.py", "engine/sched/scheduler.py", "engine/core/engine.py", "cli/serve.py",
+                "stats/collector.py"):
+        assert rel not in traced, rel
+    base = fingerprint_cache.sources_digest(pkg)
+
+    def edited(rel: str) -> str:
+        f = pkg / rel
+        old = f.read_bytes()
+        f.write_bytes(old + b"\n# edited\n")
+        try:
+            return fingerprint_cache.sources_digest(pkg)
+        finally:
+            f.write_bytes(old)
+
+    assert edited("serve/app.py") == base
+    assert edited("engine/sched/scheduler.py") == base
+    assert edited("models/glm5_next/kda.py") != base
+    assert edited("models/kernels/cpu_ops.cpp") != base
+    assert edited("engine/sample/sampler.py") != base
+    assert fingerprint_cache.sources_digest(pkg) == base

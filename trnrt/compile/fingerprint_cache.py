@@ -2,10 +2,11 @@
 
 Both export and hash the same step graphs (export + functionalisation is ~15 s a graph of the tiny
 model, more at real dimensions). Whichever runs first stores each fingerprint here; the other reads
-it instead of exporting again. The key holds everything a graph can depend on: the source of the
-whole `trnrt` package (every .py file, not only the model: a change anywhere is a miss), torch's
-version, the hasher's version, the preset's graph settings, the model config, the flags and the
-graph id. A fresh checkout (CI) starts empty, so a hit there is a graph hashed earlier in the same
+it instead of exporting again. The key holds everything a graph can depend on: the traced sources
+(every file of `trnrt` that exporting a graph can import, inside functions too: the model, the
+step functions, the sampler, compile/, config/; a change to one is a miss, while an edit to the
+server, the scheduler or the docs keeps every entry), torch's version, the hasher's version, the
+preset's graph settings, the model config, the flags and the graph id. A fresh checkout (CI) starts empty, so a hit there is a graph hashed earlier in the same
 run from the same tree. `TRNRT_GRAPH_CACHE=0` or `trnrt verify graph-equiv --fresh` bypasses it.
 
 Files: `<cache>/graph-fingerprints/<key>.json`, written atomically (temp file + rename), so
@@ -36,18 +37,47 @@ def _dir() -> Path:
     return cache_dir() / "graph-fingerprints"
 
 
-@functools.lru_cache(maxsize=1)
-def source_digest() -> str:
-    """sha256 over every .py file of the installed trnrt package (path and bytes), and torch's version."""
+# The modules graph export starts from; traced_sources() adds all they can import.
+TRACED_ROOTS = (
+    "trnrt.compile.export",      # export_spec, the ExportStep wrapper
+    "trnrt.compile.pipeline",    # meta_model_and_state: the model a graph is exported from
+    "trnrt.compile.catalogue",   # graph specs and variant steps
+    "trnrt.compile.graph_hash",  # the hash itself
+    "trnrt.config.presets",      # the preset's settings, as the step sees them
+    "trnrt.verify.graph_equiv",  # model_config_for (tiny / real dims)
+)
+
+
+def traced_sources(pkg: Path) -> list[Path]:
+    """The files of the trnrt package at `pkg` that a traced graph can depend on: the modules of
+    TRACED_ROOTS and every trnrt module they import (trnrt.compile.import_graph.closure), plus the
+    non-Python files beside them (the fused CPU kernels' C++ source, the tiny model's data)."""
+    from .import_graph import closure
+
+    mods = closure(pkg.parent, list(TRACED_ROOTS), package=pkg.name)
+    files = set(mods.values())
+    for d in {f.parent for f in mods.values()}:
+        files.update(f for f in d.iterdir() if f.is_file() and f.suffix not in (".py", ".pyc"))
+    return sorted(files)
+
+
+def sources_digest(pkg: Path) -> str:
+    """sha256 over the traced sources of the package at `pkg` (path and bytes), torch's version and
+    the hasher's version."""
     import torch
 
+    h = hashlib.sha256(f"torch {torch.__version__}\0hash {HASH_VERSION}\0".encode())
+    for f in traced_sources(pkg):
+        h.update(str(f.relative_to(pkg)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sources_digest of the installed trnrt package (read once a process)."""
     import trnrt
 
-    root = Path(trnrt.__file__).resolve().parent
-    h = hashlib.sha256(f"torch {torch.__version__}\0hash {HASH_VERSION}\0".encode())
-    for f in sorted(root.rglob("*.py")):
-        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
+    return sources_digest(Path(trnrt.__file__).resolve().parent)
 
 
 def model_digest(model_or_config: Any) -> str:

@@ -49,45 +49,90 @@ def model_config_for(dims: str):
     raise ValueError(f"dims must be tiny or real, got {dims!r}")
 
 
-def fingerprints_for(preset: str, flags: Iterable[str] = (), dims: str = "tiny", only: Iterable[str] | None = None,
-                     on_graph: Callable[[str, int, int, bool], None] | None = None, use_cache: bool = True) -> dict:
-    """{"preset_sha256", "model_config_sha256", "graphs": {graph_id: GraphFingerprint}} for a preset.
+@dataclass
+class PresetPlan:
+    """What checking one preset takes, worked out without building a model: its graphs, each with
+    its fingerprint-cache key (trnrt.compile.fingerprint_cache.key)."""
+    preset: str  # the preset's path (what a worker process reads again)
+    flags: tuple[str, ...]
+    dims: str
+    preset_sha256: str
+    model_config_sha256: str
+    lock_path: str
+    keys: dict[str, str]  # graph id -> cache key, in catalogue order
 
-    With `use_cache`, a fingerprint that `trnrt compile` or an earlier check stored for the same
-    source tree, preset, model config, flags and graph is read instead of exporting the graph again
-    (trnrt.compile.fingerprint_cache)."""
+
+def plan_preset(preset: str, flags: Iterable[str] = (), dims: str = "tiny",
+                only: Iterable[str] | None = None) -> PresetPlan:
+    """The graphs of `preset` (expand(preset, flags), narrowed to `only`) and their cache keys."""
     from trnrt.compile import fingerprint_cache
     from trnrt.compile.catalogue import expand
-    from trnrt.compile.export import export_spec
-    from trnrt.compile.graph_hash import fingerprint
     from trnrt.compile.manifest import model_config_hash
-    from trnrt.compile.pipeline import meta_model_and_state
     from trnrt.config.presets import phase_settings_hash, preset_hash, read_preset
 
     p = read_preset(preset)
-    flags = sorted(set(flags))
+    flags = tuple(sorted(set(flags)))
     # Flags go into the config the model and step see, so a base graph that reads them would show.
-    cfg = p.engine_config.replace(variants=tuple(flags))
+    cfg = p.engine_config.replace(variants=flags)
     mcfg = model_config_for(dims)
-    model, state = meta_model_and_state(cfg, mcfg, device="cpu" if dims == "tiny" else "meta")
-    specs = expand(cfg, flags)
+    specs = expand(cfg, list(flags))
     if only is not None:
         wanted = set(only)
         specs = [s for s in specs if s.graph_id in wanted]
-    psha, msha = preset_hash(p.engine_config), model_config_hash(mcfg)
+    keys = {s.graph_id: fingerprint_cache.key(phase_settings_hash(p.engine_config, s.phase), mcfg, flags, s.graph_id)
+            for s in specs}
+    return PresetPlan(str(p.path), flags, dims, preset_hash(p.engine_config), model_config_hash(mcfg),
+                      str(p.lock_path), keys)
+
+
+class GraphExporter:
+    """Exports and hashes the graphs of one (preset, flags, dims), building its model once."""
+
+    def __init__(self, preset: str, flags: Iterable[str], dims: str):
+        from trnrt.compile.catalogue import expand
+        from trnrt.compile.pipeline import meta_model_and_state
+        from trnrt.config.presets import read_preset
+
+        flags = sorted(set(flags))
+        self.cfg = read_preset(preset).engine_config.replace(variants=tuple(flags))
+        self.model, self.state = meta_model_and_state(self.cfg, model_config_for(dims),
+                                                      device="cpu" if dims == "tiny" else "meta")
+        self.specs = {s.graph_id: s for s in expand(self.cfg, flags)}
+
+    def fingerprint(self, graph_id: str):
+        from trnrt.compile.export import export_spec
+        from trnrt.compile.graph_hash import fingerprint
+
+        return fingerprint(export_spec(self.model, self.state, self.cfg, self.specs[graph_id]).program)
+
+
+def fingerprints_for(preset: str, flags: Iterable[str] = (), dims: str = "tiny", only: Iterable[str] | None = None,
+                     on_graph: Callable[[str, int, int, bool], None] | None = None, use_cache: bool = True) -> dict:
+    """{"preset_sha256", "model_config_sha256", "graphs": {graph_id: GraphFingerprint}} for a preset,
+    exported one after another in this process (in-process patches count; the CLI's parallel
+    exports are trnrt.verify.export_pool).
+
+    With `use_cache`, a fingerprint that `trnrt compile` or an earlier check stored for the same
+    traced sources, preset, model config, flags and graph is read instead of exporting the graph
+    again (trnrt.compile.fingerprint_cache)."""
+    from trnrt.compile import fingerprint_cache
+
+    plan = plan_preset(preset, flags, dims, only)
+    exporter = None
     graphs = {}
-    for i, spec in enumerate(specs):
-        k = fingerprint_cache.key(phase_settings_hash(p.engine_config, spec.phase), mcfg, flags, spec.graph_id)
+    for i, (gid, k) in enumerate(plan.keys.items()):
         fp = fingerprint_cache.get(k) if use_cache else None
         cached = fp is not None
         if fp is None:
-            fp = fingerprint(export_spec(model, state, cfg, spec).program)
+            exporter = exporter or GraphExporter(plan.preset, plan.flags, dims)
+            fp = exporter.fingerprint(gid)
             if use_cache:
                 fingerprint_cache.put(k, fp)
-        graphs[spec.graph_id] = fp
+        graphs[gid] = fp
         if on_graph:
-            on_graph(spec.graph_id, i, len(specs), cached)
-    return {"preset_sha256": psha, "model_config_sha256": msha, "graphs": graphs, "lock_path": str(p.lock_path)}
+            on_graph(gid, i, len(plan.keys), cached)
+    return {"preset_sha256": plan.preset_sha256, "model_config_sha256": plan.model_config_sha256, "graphs": graphs,
+            "lock_path": plan.lock_path}
 
 
 # ---------------------------------------------------------------------------------------------
