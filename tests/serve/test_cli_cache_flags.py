@@ -10,7 +10,8 @@ CACHE_FLAGS = ("--disable-radix-cache", "--checkpoint-interval", "--radix-evicti
                "--hicache-size", "--hicache-write-policy")
 SCHED_FLAGS = ("--schedule-policy", "--enable-priority-scheduling", "--schedule-low-priority-values-first",
                "--priority-scheduling-preemption-threshold", "--disable-priority-preemption",
-               "--default-priority-value", "--abort-on-priority-when-disabled", "--max-queued-requests")
+               "--default-priority-value", "--abort-on-priority-when-disabled", "--max-queued-requests",
+               "--max-queued-tokens")
 
 
 def invoke(*args: str):
@@ -52,6 +53,12 @@ def test_help_lists_every_flag():
      "To use priority scheduling, schedule_policy must be 'fcfs' or 'lof'."),
     (["--enable-priority-scheduling", "--schedule-policy", "random"], "--schedule-policy", "must be 'fcfs' or 'lof'"),
     (["--schedule-policy", "priority"], "--schedule-policy", "not one of"),
+    (["--schedule-policy", "sjf"], "--schedule-policy", "lof, random, shortest-prefill-first, spf"),
+    (["--enable-priority-scheduling", "--schedule-policy", "spf"], "--schedule-policy",
+     "To use priority scheduling, schedule_policy must be 'fcfs' or 'lof'."),
+    (["--max-queued-tokens", "0"], "--max-queued-tokens", ""),
+    (["--max-queued-tokens", "-5"], "--max-queued-tokens", ""),
+    (["--max-queued-tokens", "1.5"], "--max-queued-tokens", ""),
     (["--radix-eviction-policy", "mru"], "--radix-eviction-policy", "not one of"),
     (["--radix-eviction-policy-config", "{oops"], "--radix-eviction-policy-config", "not valid JSON"),
     (["--radix-eviction-policy-config", "[1, 2]"], "--radix-eviction-policy-config", "must be a JSON object"),
@@ -85,7 +92,7 @@ def test_flags_reach_the_engine(captured):
                "--hicache-ratio", "3", "--hicache-size", "2", "--hicache-write-policy", "write_back",
                "--schedule-policy", "lof", "--enable-priority-scheduling", "--schedule-low-priority-values-first",
                "--priority-scheduling-preemption-threshold", "5", "--disable-priority-preemption",
-               "--default-priority-value", "-3", "--abort-on-priority-when-disabled", "--max-queued-requests", "7",
+               "--default-priority-value", "-3", "--abort-on-priority-when-disabled", "--max-queued-requests", "7", "--max-queued-tokens", "300",
                "--max-running-requests", "4", "--max-num-batched-tokens", "100", "--chunked-prefill-size", "32")
     assert r.exit_code == 2 and "stop here" in r.output, r.output
     assert captured["prefix_cache_config"] == PrefixCacheConfig(
@@ -95,7 +102,8 @@ def test_flags_reach_the_engine(captured):
     assert isinstance(scfg, SchedulerConfig)
     assert (scfg.schedule_policy, scfg.enable_priority_scheduling, scfg.schedule_low_priority_values_first,
             scfg.priority_preemption_threshold, scfg.disable_priority_preemption, scfg.default_priority_value,
-            scfg.abort_on_priority_when_disabled, scfg.max_queued_requests) == ("lof", True, True, 5, True, -3, True, 7)
+            scfg.abort_on_priority_when_disabled, scfg.max_queued_requests, scfg.max_queued_tokens) == (
+        "lof", True, True, 5, True, -3, True, 7, 300)
     assert scfg.max_num_seqs == 4 == captured["max_running_requests"]  # the preset's resolution is kept
     assert (scfg.max_num_batched_tokens, scfg.max_prefill_chunk_tokens, scfg.max_prefill_tokens) == (100, 32, 32)
 
@@ -109,7 +117,8 @@ def test_defaults_are_sglangs(captured):
     assert captured["prefix_cache_config"] == PrefixCacheConfig()  # the radix cache is on, lru, no host tier
     scfg = captured["scheduler_config"]
     assert (scfg.schedule_policy, scfg.enable_priority_scheduling, scfg.priority_preemption_threshold,
-            scfg.default_priority_value, scfg.max_queued_requests) == ("fcfs", False, 10, None, None)
+            scfg.default_priority_value, scfg.max_queued_requests, scfg.max_queued_tokens) == (
+        "fcfs", False, 10, None, None, None)
     # a full largest decode batch plus four largest prefill chunks (default: 32 + 4 x 64)
     assert (scfg.max_num_batched_tokens, scfg.max_prefill_chunk_tokens, scfg.chunked_prefill) == (288, 64, True)
     invoke("--disable-radix-cache")
@@ -134,3 +143,47 @@ def test_scripted_engine_gets_the_scheduling_flags(tok_dir):
     finally:
         engine.shutdown(0.0)
 
+
+
+@pytest.mark.parametrize("name", ["spf", "shortest-prefill-first"])
+def test_spf_alias_reaches_the_engine_as_sglangs_name(captured, name):
+    r = invoke("--schedule-policy", name)
+    assert r.exit_code == 2 and "stop here" in r.output, r.output
+    assert captured["scheduler_config"].schedule_policy == "shortest-prefill-first"
+
+
+@pytest.mark.parametrize("field,value,flag", [("max_queued_tokens", -1, "--max-queued-tokens"),
+                                              ("max_queued_tokens", 0, "--max-queued-tokens"),
+                                              ("max_queued_requests", -1, "--max-queued-requests")])
+def test_server_args_queue_limits_are_checked_naming_the_flag(field, value, flag):
+    import typer
+
+    from trnrt.cli.server_args import ServerArgs
+    from trnrt.cli.server_configs import resolve_server_configs
+
+    with pytest.raises(typer.BadParameter) as e:
+        resolve_server_configs(ServerArgs(scripted=True, **{field: value}))
+    assert e.value.param_hint == flag and str(value) in str(e.value)
+
+
+def test_server_info_reports_spf_and_max_queued_tokens(tok_dir, tokenizer_factory):
+    """/server_info: the launch options and the engine's scheduler_config, SGLang's policy name."""
+    from serve_support import start_server, stop_server
+
+    from trnrt.cli.server_args import ServerArgs
+    from trnrt.cli.serve_engine import build_engine
+    from trnrt.cli.server_configs import resolve_server_configs
+
+    args = ServerArgs(model=str(tok_dir), scripted=True, schedule_policy="spf", max_queued_tokens=500)
+    assert args.schedule_policy == "shortest-prefill-first"
+    engine, _ = build_engine(args)
+    srv = start_server(engine, tokenizer_factory, resolve_server_configs(args).settings)
+    try:
+        status, info, _ = srv.raw("GET", "/server_info")
+        assert status == 200, info
+        assert (info["schedule_policy"], info["max_queued_tokens"], info["max_queued_requests"]) == (
+            "shortest-prefill-first", 500, None)
+        s = info["scheduler_config"]
+        assert (s["schedule_policy"], s["max_queued_tokens"]) == ("shortest-prefill-first", 500)
+    finally:
+        stop_server(srv)

@@ -1,6 +1,7 @@
-"""The `priority` request field, --abort-on-priority-when-disabled, and the engine's queue limit
-(--max-queued-requests) as the three generation routes answer it: SGLang's 503 envelope, a plain
-HTTP 503 for a stream refused before its first chunk, and the queue-full headers."""
+"""The `priority` request field, --abort-on-priority-when-disabled, and the engine's queue limits
+(--max-queued-requests, --max-queued-tokens) as the three generation routes answer them: SGLang's
+503 envelope, a plain HTTP 503 for a stream refused before its first chunk, and the queue-full
+headers."""
 
 from __future__ import annotations
 
@@ -227,6 +228,46 @@ def test_higher_priority_displaces_the_worst_waiting_request(queued):
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     assert text.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in text, text
     assert_queue_full(results["worse"])
+
+
+QUEUED_TOKENS = 8  # --max-queued-tokens of the `token_queued` engine
+LONG_TEXT = "SCRIPT:plain " + " ".join(["word"] * 60)
+
+
+@pytest.fixture(scope="module")
+def token_queued(tokenizer_factory):
+    """max_num_seqs=1, max_queued_tokens=QUEUED_TOKENS, no priority scheduling."""
+    from trnrt.serve import ServeSettings
+
+    engine = queue_engine(tokenizer_factory, max_queued_tokens=QUEUED_TOKENS)
+    srv = start_server(engine, tokenizer_factory, ServeSettings(served_model_name=MODEL))
+    yield srv
+    engine.runner.paused.clear()
+    stop_servers(engine, srv)
+
+
+def test_queued_tokens_limit_is_503_on_every_route(token_queued, tokenizer_factory):
+    """One running; a prompt longer than --max-queued-tokens arrives at the empty waiting queue and
+    is queued (it runs); then every request, however short, would go past the limit: SGLang's
+    queue-full 503 with the queue-full headers, streamed or not, on every route."""
+    srv = token_queued
+    assert len(tokenizer_factory().encode(LONG_TEXT, add_special_tokens=False)) > QUEUED_TOKENS
+    fired = Fired(srv)
+    try:
+        hold_one_running(srv, fired)
+        fired.fire("long", GEN, body(GEN, text=LONG_TEXT))
+        wait_for(lambda: pending(srv) == 2, "the long request")
+        refused = [(f"{p}-{s}", p, s) for p in (GEN, COMP, CHAT) for s in (False, True)]
+        for name, path, stream in refused:
+            fired.fire(name, path, body(path, stream))
+        wait_for(lambda: pending(srv) == 2 + len(refused), "every request to be submitted")
+    finally:
+        srv.engine.runner.paused.clear()
+    results = fired.join()
+    assert results["running"][0] == 200 and results["long"][0] == 200, results
+    for name, _, _ in refused:
+        assert_queue_full(results[name])
+    assert srv.raw("POST", COMP, body(COMP))[0] == 200  # nothing waits now: a short one is queued
 
 
 # --- how the routes answer the engine's refusals (fabricated finishes: no engine support needed) --

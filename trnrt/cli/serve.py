@@ -39,6 +39,7 @@ def serve(
     # Memory and scheduling
     max_running_requests: o.MaxRunningRequests = D.max_running_requests,
     max_queued_requests: o.MaxQueuedRequests = D.max_queued_requests,
+    max_queued_tokens: o.MaxQueuedTokens = D.max_queued_tokens,
     max_num_batched_tokens: o.MaxNumBatchedTokens = D.max_num_batched_tokens,
     chunked_prefill_size: o.ChunkedPrefillSize = D.chunked_prefill_size,
     schedule_policy: o.SchedulePolicy = D.schedule_policy,

@@ -18,7 +18,9 @@ import typer
 # engine's own queue limit (and priority displacement) answers them.
 QUEUE_OVERFLOW_HEADROOM = 8
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")  # = trnrt.engine.sched.schedule_policy's
+# = trnrt.engine.sched.schedule_policy's SCHEDULE_POLICIES and SCHEDULE_POLICY_ALIASES (a test checks)
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "shortest-prefill-first")
+SCHEDULE_POLICY_ALIASES = {"spf": "shortest-prefill-first"}
 EVICTION_POLICIES = ("lru", "lfu", "slru", "priority", "tlru")  # = trnrt.engine.cache.cache_config's
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 TOOL_CALL_PARSERS = ("glm47", "glm45")
@@ -52,6 +54,7 @@ class ServerArgs:
     # turns chunking off): None, the preset's defaults (resolve_configs)
     max_running_requests: int = 64
     max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
     max_num_batched_tokens: int | None = None
     chunked_prefill_size: int | None = None
     schedule_policy: str = "fcfs"
@@ -112,6 +115,10 @@ class ServerArgs:
     hicache_size: int = 0  # GB (SGLang's unit); 0: --hicache-ratio decides
     hicache_write_policy: str = "write_through"
 
+    def __post_init__(self) -> None:
+        # the canonical policy name, so /server_info reports SGLang's name for an alias
+        self.schedule_policy = SCHEDULE_POLICY_ALIASES.get(self.schedule_policy, self.schedule_policy)
+
     @classmethod
     def from_cli(cls, params: dict) -> "ServerArgs":
         """The ServerArgs of the serve command's raw parameters (click's `ctx.params`): JSON
@@ -132,7 +139,8 @@ class ServerArgs:
             if name in raw:
                 raw[name] = _parser_choice(raw[name], choices, "--" + name.replace("_", "-"))
         for name, choices in (("radix_eviction_policy", EVICTION_POLICIES),
-                              ("hicache_write_policy", HICACHE_WRITE_POLICIES), ("schedule_policy", SCHEDULE_POLICIES)):
+                              ("hicache_write_policy", HICACHE_WRITE_POLICIES),
+                              ("schedule_policy", SCHEDULE_POLICIES + tuple(SCHEDULE_POLICY_ALIASES))):
             if name in raw:
                 _choice(raw[name], choices, "--" + name.replace("_", "-"))
         for name in ("allowed_origins", "allowed_hosts"):

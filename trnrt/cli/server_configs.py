@@ -94,6 +94,7 @@ def scheduler_overrides(args: ServerArgs) -> dict[str, Any]:
         "default_priority_value": args.default_priority_value,
         "abort_on_priority_when_disabled": args.abort_on_priority_when_disabled,
         "max_queued_requests": args.max_queued_requests,
+        "max_queued_tokens": args.max_queued_tokens,
     }
     if args.max_num_batched_tokens is not None:
         out["max_num_batched_tokens"] = args.max_num_batched_tokens
@@ -176,6 +177,10 @@ def _check(args: ServerArgs, spec) -> "PrefixCacheConfig":
             check_speculative_flags(ecfg, [f for f in REFUSED_FLAGS if getattr(args, f)])
         except SpeculativeFlagError as e:
             raise typer.BadParameter(str(e), param_hint=e.field)
+    for flag, value, least in (("--max-queued-requests", args.max_queued_requests, 0),
+                               ("--max-queued-tokens", args.max_queued_tokens, 1)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            raise typer.BadParameter(f"must be an integer >= {least}, got {value!r}", param_hint=flag)
     if args.enable_priority_scheduling and args.schedule_policy not in PRIORITY_POLICIES:
         raise typer.BadParameter(PRIORITY_POLICY_MESSAGE, param_hint="--schedule-policy")
     if args.enable_hierarchical_cache and args.disable_radix_cache:

@@ -325,28 +325,28 @@ def test_message_constants():
 
 def test_queue_limit_without_priority():
     w = [seq("a"), seq("b")]
-    assert queue_admission(w, seq("c"), BASE) == (True, None)  # no limit
-    assert queue_admission(w, seq("c"), cfg(max_queued_requests=3)) == (True, None)
-    assert queue_admission(w, seq("c"), cfg(max_queued_requests=2)) == (False, None)
-    assert queue_admission([], seq("c"), cfg(max_queued_requests=1)) == (True, None)
-    assert queue_admission([], seq("c"), cfg(max_queued_requests=0)) == (False, None)
+    assert queue_admission(w, seq("c"), BASE) == (True, [])  # no limit
+    assert queue_admission(w, seq("c"), cfg(max_queued_requests=3)) == (True, [])
+    assert queue_admission(w, seq("c"), cfg(max_queued_requests=2)) == (False, [])
+    assert queue_admission([], seq("c"), cfg(max_queued_requests=1)) == (True, [])
+    assert queue_admission([], seq("c"), cfg(max_queued_requests=0)) == (False, [])
 
 
 def test_queue_full_with_priority_displaces_least_preferred_newest():
     c = replace(PRIO, max_queued_requests=3)
     w = [seq("p1_old", priority=1), seq("p5", priority=5), seq("p1_new", priority=1)]
     ok, displaced = queue_admission(w, seq("p2", priority=2), c)
-    assert ok and displaced is w[2]
-    assert queue_admission(w, seq("p1", priority=1), c) == (False, None)  # equal is not better
-    assert queue_admission(w, seq("p0", priority=0), c) == (False, None)
-    assert queue_admission(w, seq("none"), c) == (False, None)
+    assert ok and displaced == [w[2]]
+    assert queue_admission(w, seq("p1", priority=1), c) == (False, [])  # equal is not better
+    assert queue_admission(w, seq("p0", priority=0), c) == (False, [])
+    assert queue_admission(w, seq("none"), c) == (False, [])
     lo = replace(c, schedule_low_priority_values_first=True)
     ok, displaced = queue_admission(w, seq("p4", priority=4), lo)
-    assert ok and displaced is w[1]
+    assert ok and displaced == [w[1]]
 
 
 def test_queue_full_displaces_unset_priority_first():
     c = replace(PRIO, max_queued_requests=2)
     w = [seq("none_old"), seq("p0", priority=0)]
     ok, displaced = queue_admission(w, seq("p_neg", priority=-5), c)
-    assert ok and displaced is w[0]
+    assert ok and displaced == [w[0]]

@@ -159,6 +159,7 @@ EXPECTED_ADMISSION = {
     # P's subtree holds two waiting requests (b1 deeper first, post-order), Q's one; after b1
     # the branches tie and the root's children order (Q was cached first) decides
     "dfs-weight": ["b1", "c", "b2", "a"],
+    "shortest-prefill-first": ["c", "b1", "b2", "a"],  # uncached 8, 24, 32, 40
 }
 EXPECTED_CACHED = {"a": 0, "b1": 16, "c": 40, "b2": 8}
 

@@ -6,7 +6,7 @@ the Scheduler calls on the engine thread:
     validate_policy(config, cache_enabled)            at start-up; -> the effective policy
     order_waiting(waiting, config, match=, rng=)      each schedule(), before admitting
     preemption_victims(running, head, config, ...)    when the head waiting request cannot be admitted
-    queue_admission(waiting, incoming, config)        at add_request (max_queued_requests)
+    queue_admission(waiting, incoming, config)        at add_request (max_queued_requests/_tokens)
     priority_refusal(priority, config)                at add_request (abort_on_priority_when_disabled)
 
 Priorities. A sequence's priority is `seq.priority`, else `config.default_priority_value`, else the
@@ -23,8 +23,16 @@ Policies (`order_waiting`):
     lpm         longest prefix match first: -matched tokens (stable), with SGLang's in-batch
                 dedupe (see _order_lpm). Falls back to fcfs over 128 waiting requests.
     dfs-weight  depth first over the radix nodes the requests last matched (see _order_dfs_weight).
-Both cache-aware policies are fcfs without a prefix cache (`match is None`). As in SGLang, only lpm
-(and SGLang's hrrn) switches to fcfs over 128 waiting requests; dfs-weight does not.
+    shortest-prefill-first (alias spf)
+                (deprioritised, uncached tokens, arrival_index): the request with the least left to
+                prefill first. Uncached tokens = num_tokens (the prompt, plus what a preempted
+                request already generated: it re-prefills those too) minus the prefix-cache match;
+                deprioritised = lpm's in-batch dedupe (see _in_batch_dedupe).
+Both cache-aware policies (lpm, dfs-weight) are fcfs without a prefix cache (`match is None`). As
+in SGLang, only lpm (and SGLang's hrrn) switches to fcfs over 128 waiting requests; dfs-weight and
+shortest-prefill-first do not. Without a prefix cache shortest-prefill-first is trnrt's choice, not
+SGLang's (which runs fcfs there): (num_tokens, arrival_index), shortest prompt first, no dedupe
+(a duplicate gains nothing from waiting when nothing is cached).
 """
 
 from __future__ import annotations
@@ -36,12 +44,15 @@ from typing import Callable, Iterable, Optional
 from trnrt.engine.cache.radix_node import TreeNode
 from trnrt.engine.output.sequence import Sequence
 
-SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "shortest-prefill-first")
+# Other names accepted for a policy; configs hold (and /server_info reports) the canonical one.
+SCHEDULE_POLICY_ALIASES = {"spf": "shortest-prefill-first"}
+# Policies that are fcfs without a prefix cache (shortest-prefill-first is not: see above).
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 PRIORITY_POLICIES = ("fcfs", "lof")
 # SGLang's CLI lists these too; trnrt does not implement them ("priority" is unusable in SGLang
 # 0.5.23 itself: its policy enum lacks it, so it fails as unknown).
-UNSUPPORTED_SGLANG_POLICIES = ("routing-key", "hrrn", "shortest-prefill-first")
+UNSUPPORTED_SGLANG_POLICIES = ("routing-key", "hrrn")
 
 # lpm switches to fcfs when more requests than this wait (SGLang: prefix matching every waiting
 # request each step gets expensive).
@@ -62,11 +73,17 @@ MatchFn = Callable[[Sequence], "tuple[int, Optional[TreeNode]]"]
 # -- validation -----------------------------------------------------------------------------------
 
 
+def canonical_policy(name):
+    """The canonical name of a policy (`spf` -> `shortest-prefill-first`); anything else as given."""
+    return SCHEDULE_POLICY_ALIASES.get(name, name) if isinstance(name, str) else name
+
+
 def validate_policy(config, cache_enabled: bool) -> str:
     """Check the policy settings of a SchedulerConfig; return the policy that will actually run.
 
-    The effective policy is `config.schedule_policy`, except that a cache-aware one (lpm,
-    dfs-weight) is fcfs when `cache_enabled` is False (SGLang's _validate_and_adjust_policy).
+    The effective policy is `config.schedule_policy` (an alias as its canonical name), except
+    that a cache-aware one (lpm, dfs-weight) is fcfs when `cache_enabled` is False (SGLang's
+    _validate_and_adjust_policy).
 
     Raises:
         ValueError: SGLang's "To use priority scheduling, schedule_policy must be 'fcfs' or 'lof'."
@@ -75,7 +92,7 @@ def validate_policy(config, cache_enabled: bool) -> str:
             policy for SGLang's policies trnrt does not implement; a message naming the field for
             a priority/queue setting of the wrong type.
     """
-    policy = config.schedule_policy
+    policy = canonical_policy(config.schedule_policy)
     if policy in UNSUPPORTED_SGLANG_POLICIES:
         raise ValueError(f"schedule_policy {policy!r} is not supported (supported: {', '.join(SCHEDULE_POLICIES)})")
     if policy not in SCHEDULE_POLICIES:
@@ -93,6 +110,9 @@ def validate_policy(config, cache_enabled: bool) -> str:
     q = config.max_queued_requests
     if q is not None and (not is_int(q) or q < 0):
         raise ValueError(f"max_queued_requests must be an integer >= 0 or None, got {q!r}")
+    t = config.max_queued_tokens
+    if t is not None and (not is_int(t) or t < 1):
+        raise ValueError(f"max_queued_tokens must be a positive integer or None, got {t!r}")
     if config.random_seed is not None and not is_int(config.random_seed):
         raise ValueError(f"random_seed must be an integer or None, got {config.random_seed!r}")
     if policy in CACHE_AWARE_POLICIES and not cache_enabled:
@@ -158,13 +178,13 @@ def order_waiting(
             to have passed validate_policy.
         match: the prefix cache's lookup, `match(seq) -> (matched tokens, last matched node)`
             (the node may be None for no match); None when there is no prefix cache, which makes
-            lpm and dfs-weight fcfs. Called once per waiting sequence, in order; it should not
-            lock anything.
+            lpm and dfs-weight fcfs and shortest-prefill-first count whole prompts. Called
+            once per waiting sequence, in order; it should not lock anything.
         rng: the `random` policy's generator (make_rng(config), kept by the caller across steps);
             None uses the module-level random.
     """
     seqs = list(waiting)
-    policy = config.schedule_policy
+    policy = canonical_policy(config.schedule_policy)
     prio = config.enable_priority_scheduling
     if policy in CACHE_AWARE_POLICIES and match is None:
         policy = "fcfs"
@@ -187,24 +207,27 @@ def order_waiting(
         return _order_lpm(seqs, match)
     if policy == "dfs-weight":
         return _order_dfs_weight(seqs, match)
+    if policy == "shortest-prefill-first":
+        return _order_spf(seqs, match)
     raise ValueError(f"Unknown schedule_policy: policy={config.schedule_policy!r}")
 
 
-def _order_lpm(seqs: list[Sequence], match: MatchFn) -> list[Sequence]:
-    """Longest prefix match first, deferring in-batch duplicates for one round.
+def _in_batch_dedupe(seqs: list[Sequence], match: MatchFn) -> dict[int, tuple[int, bool]]:
+    """id(seq) -> (cache-matched tokens, deprioritised), SGLang's in-batch prefix dedupe.
 
-    SGLang's in-batch dedupe: requests are visited in queue order; one whose cache match is short
-    (<= IN_BATCH_CHECK_THRESHOLD tokens) is matched against the waiting requests visited before
-    it (SGLang inserts them into a throw-away radix tree). If it shares >=
+    Requests are visited in queue order; one whose cache match is short (<=
+    IN_BATCH_CHECK_THRESHOLD tokens) is matched against the waiting requests visited before it
+    (SGLang inserts them into a throw-away radix tree). If it shares >=
     IN_BATCH_DEPRIORITIZE_THRESHOLD tokens with one of them it is deprioritised (sorted last this
     round, so the first of the group runs alone and later ones then hit the cache); otherwise it
     is recorded for the ones after it. A request with a long cache match is neither checked nor
     recorded. Here the throw-away tree is a set of token prefixes: a shared prefix of >= 32 tokens
-    means the first 32 tokens (of prompt + output, as SGLang matches) are equal.
+    means the first 32 tokens (of prompt + output, as SGLang matches) are equal. Calls `match`
+    once per sequence, in order.
     """
     k = IN_BATCH_DEPRIORITIZE_THRESHOLD
     seen: set[tuple[int, ...]] = set()
-    keys: dict[int, float] = {}
+    out: dict[int, tuple[int, bool]] = {}
     for s in seqs:
         matched, _ = match(s)
         deprioritised = False
@@ -216,8 +239,34 @@ def _order_lpm(seqs: list[Sequence], match: MatchFn) -> list[Sequence]:
                 seen.add(head)
             # a sequence shorter than k tokens can never share k tokens with another: recording
             # it would change nothing
-        keys[id(s)] = float("inf") if deprioritised else -matched
-    return sorted(seqs, key=lambda s: keys[id(s)])
+        out[id(s)] = (matched, deprioritised)
+    return out
+
+
+def _order_lpm(seqs: list[Sequence], match: MatchFn) -> list[Sequence]:
+    """Longest prefix match first (stable), in-batch duplicates last in queue order (_in_batch_dedupe)."""
+    marks = _in_batch_dedupe(seqs, match)
+
+    def key(s: Sequence) -> float:
+        matched, deprioritised = marks[id(s)]
+        return float("inf") if deprioritised else -matched
+
+    return sorted(seqs, key=key)
+
+
+def _order_spf(seqs: list[Sequence], match: MatchFn | None) -> list[Sequence]:
+    """Shortest prefill first: (deprioritised, num_tokens - cache match, arrival_index).
+
+    With a prefix cache, `deprioritised` and the match are lpm's (_in_batch_dedupe); without one
+    (match None) every request is matched by 0 tokens and none is deprioritised.
+    """
+    marks = _in_batch_dedupe(seqs, match) if match is not None else {}
+
+    def key(s: Sequence) -> tuple[bool, int, int]:
+        matched, deprioritised = marks.get(id(s), (0, False))
+        return deprioritised, s.num_tokens - matched, s.arrival_index
+
+    return sorted(seqs, key=key)
 
 
 def _order_dfs_weight(seqs: list[Sequence], match: MatchFn) -> list[Sequence]:
@@ -312,24 +361,57 @@ def preemption_victims(
 # -- queue limit ----------------------------------------------------------------------------------
 
 
-def queue_admission(waiting: Iterable[Sequence], incoming: Sequence, config) -> tuple[bool, Sequence | None]:
-    """Whether `incoming` may join the waiting queue under max_queued_requests (SGLang 0.5.23).
+def queued_tokens(seq: Sequence) -> int:
+    """What a waiting sequence counts against max_queued_tokens: the tokens its prefill feeds
+    (its prompt; plus its output so far if it was preempted, which it re-prefills)."""
+    return seq.num_tokens
+
+
+def queue_admission(waiting: Iterable[Sequence], incoming: Sequence, config) -> tuple[bool, list[Sequence]]:
+    """Whether `incoming` may join the waiting queue under max_queued_requests and max_queued_tokens.
+
+    The request limit is SGLang 0.5.23's: `incoming` fits if len(waiting) + 1 <=
+    max_queued_requests; when it does not, one waiting request must leave for it. The token limit
+    is trnrt's: it fits if the waiting sequences' queued_tokens plus its own are <=
+    max_queued_tokens, or if no other sequence would be waiting (so that one prompt longer than
+    the limit can still run: it waits alone).
+
+    With priority scheduling, a refused `incoming` may displace waiting sequences strictly worse
+    than it (lower priority; taken least preferred first, the newest on ties) until both limits
+    hold: as many as that takes, or none when displacing every worse one would still not make
+    room. With the request limit alone that is SGLang's rule (the single worst one, if worse).
 
     Returns:
-        (True, None): queue it (no limit, or len(waiting) + 1 <= max_queued_requests).
-        (True, displaced): the queue is full but, with priority scheduling, `incoming` is strictly
-            better than the least preferred waiting sequence (lowest priority, the newest on
-            ties), `displaced`: the caller aborts that one (503, DISPLACED_MESSAGE) and queues
-            `incoming`.
-        (False, None): refuse `incoming` (503, QUEUE_FULL_MESSAGE).
+        (True, []): queue it.
+        (True, displaced): queue it after the caller aborts each of `displaced` (503,
+            DISPLACED_MESSAGE), least preferred first.
+        (False, []): refuse `incoming` (503, QUEUE_FULL_MESSAGE).
     """
     waiting = list(waiting)
-    limit = config.max_queued_requests
-    if limit is None or len(waiting) + 1 <= limit:
-        return True, None
-    if not config.enable_priority_scheduling or not waiting:
-        return False, None
-    worst = max(waiting, key=lambda s: (preference_key(s, config), s.arrival_index))
-    if preference_key(incoming, config) < preference_key(worst, config):
-        return True, worst
-    return False, None
+    req_limit, tok_limit = config.max_queued_requests, config.max_queued_tokens
+    if req_limit is None and tok_limit is None:
+        return True, []
+    must_displace = req_limit is not None and len(waiting) + 1 > req_limit
+    total = sum(queued_tokens(s) for s in waiting) if tok_limit is not None else 0
+    mine = queued_tokens(incoming)
+
+    def fits(num_displaced: int, tokens_displaced: int) -> bool:
+        if must_displace and num_displaced == 0:
+            return False
+        if tok_limit is None or num_displaced == len(waiting):
+            return True
+        return total - tokens_displaced + mine <= tok_limit
+
+    if fits(0, 0):
+        return True, []
+    if not config.enable_priority_scheduling:
+        return False, []
+    key = preference_key(incoming, config)
+    worse = sorted((s for s in waiting if preference_key(s, config) > key),
+                   key=lambda s: (preference_key(s, config), s.arrival_index), reverse=True)
+    freed = 0
+    for n, s in enumerate(worse, 1):
+        freed += queued_tokens(s)
+        if fits(n, freed):
+            return True, worse[:n]
+    return False, []

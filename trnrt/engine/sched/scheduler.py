@@ -167,9 +167,9 @@ class Scheduler(ForkGroups, PrefixMatching, StepUpdate, SchedulerStats):
             if not ok:
                 refusal = policy.QUEUE_FULL_MESSAGE
                 self.num_queue_full += 1
-            elif displaced is not None:
-                self._finish(displaced, FinishReason("abort", message=policy.DISPLACED_MESSAGE, status_code=503))
-                self._ended.append(displaced)
+            for d in displaced:
+                self._finish(d, FinishReason("abort", message=policy.DISPLACED_MESSAGE, status_code=503))
+                self._ended.append(d)
         if refusal is not None:  # SGLang answers these with 503 before the request runs
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = FinishReason("abort", message=refusal, status_code=503)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trnrt.engine.sched.schedule_policy import canonical_policy
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -17,8 +19,10 @@ class SchedulerConfig:
     max_prefill_chunk_tokens: cap on one prefill chunk (e.g. the runner's largest prefill bucket).
 
     Policies (SGLang 0.5.23's flags and semantics, ../docs/CONFIGURATION.md):
-    schedule_policy: fcfs | lpm | dfs-weight | lof | random (cache-aware ones fall back to fcfs
-        without the prefix cache or over 128 waiting requests).
+    schedule_policy: fcfs | lpm | dfs-weight | lof | random | shortest-prefill-first (alias spf,
+        stored as its canonical name). lpm and dfs-weight fall back to fcfs without the prefix
+        cache, lpm also over 128 waiting requests; shortest-prefill-first without the cache
+        orders by prompt length.
     enable_priority_scheduling: order and preempt by GenerateRequest.priority (fcfs or lof only).
     schedule_low_priority_values_first: smaller priority values are preferred (default: larger).
     priority_preemption_threshold: a waiting request preempts a running one only when better by
@@ -29,6 +33,9 @@ class SchedulerConfig:
     max_queued_requests: most requests waiting at once (None: unlimited); past it, 503
         "The request queue is full." (or, with priority scheduling, the worst waiting one is
         displaced by a better arrival).
+    max_queued_tokens: most tokens waiting at once, summed over the waiting requests' prompts
+        (None: unlimited; trnrt's, SGLang has no such limit). Refused and displaced as for
+        max_queued_requests; a request arriving at an empty waiting queue is always queued.
     random_seed: seed of the `random` policy's shuffles (tests).
     num_speculative_tokens: drafts a speculative request's decode step verifies (k; 0: off). Its
         block table covers the k look-ahead positions and the step's token budget counts them;
@@ -49,10 +56,13 @@ class SchedulerConfig:
     default_priority_value: int | None = None
     abort_on_priority_when_disabled: bool = False
     max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
     random_seed: int | None = None
     num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
+        # one name per policy from here on (what the scheduler compares and server_info reports)
+        object.__setattr__(self, "schedule_policy", canonical_policy(self.schedule_policy))
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
