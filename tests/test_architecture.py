@@ -91,6 +91,20 @@ def test_a_planted_upward_import_breaks_the_engine_stages_contract(tmp_path):
     assert "trnrt.engine.sample.penalties -> trnrt.engine.sched.scheduler" in out, r.stdout
 
 
+def test_a_planted_upward_import_breaks_the_parallel_layer(tmp_path):
+    """trnrt.parallel (issue #31) sits below the model: its primitives importing the model (inside
+    a function, as a shortcut would) breaks the layered contract."""
+    shutil.copytree(ROOT / "trnrt", tmp_path / "trnrt", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    f = tmp_path / "trnrt" / "parallel" / "layers.py"
+    f.write_text(f.read_text() + "\n\ndef _planted():\n    import trnrt.models.glm5_next.model  # noqa: F401\n")
+    r = _lint_imports(tmp_path)
+    assert r.returncode != 0, r.stdout
+    out = " ".join(r.stdout.split())
+    assert "Layered architecture" in out and "BROKEN" in out, r.stdout
+    assert "trnrt.parallel.layers -> trnrt.models.glm5_next.model" in out, r.stdout
+
+
 def test_no_import_circle():
     """No module of trnrt imports itself back through others (imports inside functions count)."""
     from trnrt.compile.import_graph import cycles, import_graph
