@@ -230,12 +230,9 @@ AS_IDS = {"return_tokens_as_token_ids": True, "return_token_ids": True}
 
 def ids_of(labels) -> list[int]:
     """The ids of `token_id:<id>` labels; a label of any other form fails the test."""
-    out = []
-    for s in labels:
-        m = re.fullmatch(r"token_id:(\d+)", s)
-        assert m, f"not a token_id label: {s!r}"
-        out.append(int(m.group(1)))
-    return out
+    labels = list(labels)
+    assert all(re.fullmatch(r"token_id:\d+", s) for s in labels), f"not all token_id labels: {labels!r}"
+    return [int(s[len("token_id:"):]) for s in labels]
 
 
 def test_chat_return_tokens_as_token_ids(scripted_server):
