@@ -222,6 +222,77 @@ def test_chat_logprobs(scripted_server):
     assert n == len(content)
 
 
+# vLLM's return_tokens_as_token_ids: every token of the logprobs output is "token_id:<id>"; the
+# ids are checked against the completion's own (return_token_ids), the text against a plain answer.
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+AS_IDS = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+
+
+def ids_of(labels) -> list[int]:
+    """The ids of `token_id:<id>` labels; a label of any other form fails the test."""
+    labels = list(labels)
+    assert all(re.fullmatch(r"token_id:\d+", s) for s in labels), f"not all token_id labels: {labels!r}"
+    return [int(s[len("token_id:"):]) for s in labels]
+
+
+def test_chat_return_tokens_as_token_ids(scripted_server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "SCRIPT:unicode hi"}], "logprobs": True,
+            "top_logprobs": 2, "chat_template_kwargs": {"enable_thinking": False}}
+    s, plain = scripted_server.post(CHAT, body)
+    s2, d = scripted_server.post(CHAT, {**body, **AS_IDS})
+    assert s == s2 == 200, d
+    c, p = d["choices"][0], plain["choices"][0]
+    content = c["logprobs"]["content"]
+    assert ids_of(e["token"] for e in content) == c["token_ids"]  # the completion's ids, in order
+    assert c["message"]["content"] == p["message"]["content"] == "北京 天气 你好 世界"  # the text stays text
+    for e, q in zip(content, p["logprobs"]["content"], strict=True):
+        assert e["bytes"] == q["bytes"] and e["logprob"] == q["logprob"]  # vLLM: the token's text's UTF-8
+        tops = ids_of(t["token"] for t in e["top_logprobs"])
+        assert len(tops) == 2 and tops[0] == ids_of([e["token"]])[0]  # the scripted runner ranks it first
+        assert all(t["bytes"] == list(t["token"].encode()) for t in e["top_logprobs"])  # vLLM: the label's
+    # streamed: the same entries, and each chunk's labels are the ids behind its delta
+    chunks = scripted_server.sse_events(CHAT, {**body, **AS_IDS, "stream": True})
+    chs = [ch for ev in chunks for ch in ev["choices"] if ch["logprobs"]]
+    assert [e for ch in chs for e in ch["logprobs"]["content"]] == content
+    assert all(ids_of(e["token"] for e in ch["logprobs"]["content"]) == ch["token_ids"] for ch in chs)
+    # through the official client's strict validation
+    r = chat(scripted_server.client(), "SCRIPT:unicode hi", logprobs=True, top_logprobs=2,
+             extra_body={"chat_template_kwargs": body["chat_template_kwargs"], "return_tokens_as_token_ids": True})
+    assert [e.token for e in r.choices[0].logprobs.content] == [e["token"] for e in content]
+
+
+def test_completions_return_tokens_as_token_ids(scripted_server):
+    body = {"model": MODEL, "prompt": "SCRIPT:unicode", "max_tokens": 40, "logprobs": 2}
+    s, plain = scripted_server.post(COMP, body)
+    s2, d = scripted_server.post(COMP, {**body, **AS_IDS})
+    assert s == s2 == 200, d
+    c, p = d["choices"][0], plain["choices"][0]
+    lp = c["logprobs"]
+    assert ids_of(lp["tokens"]) == c["token_ids"] and len(c["token_ids"]) == d["usage"]["completion_tokens"]
+    assert c["text"] == p["text"]  # the text stays text, and text_offset are offsets into it
+    assert lp["text_offset"] == p["logprobs"]["text_offset"] and lp["token_logprobs"] == p["logprobs"]["token_logprobs"]
+    for tid, top in zip(c["token_ids"], lp["top_logprobs"], strict=True):
+        assert len(ids_of(top)) == 2 and f"token_id:{tid}" in top  # ids never collapse two keys
+    chunks = scripted_server.sse_events(COMP, {**body, **AS_IDS, "stream": True})
+    chs = [ch for ev in chunks for ch in ev["choices"]]
+    for key in ("tokens", "top_logprobs", "text_offset"):
+        assert [x for ch in chs for x in ch["logprobs"][key]] == lp[key], key
+    assert all(ids_of(ch["logprobs"]["tokens"]) == ch["token_ids"] for ch in chs)
+
+
+@pytest.mark.parametrize("route", [CHAT, COMP])
+@pytest.mark.parametrize("value", ["true", 1, [True]])
+def test_return_tokens_as_token_ids_must_be_a_boolean(scripted_server, route, value):
+    body = {"model": MODEL, "max_tokens": 2, "logprobs": True if route == CHAT else 1,
+            "return_tokens_as_token_ids": value}
+    body.update({"prompt": "hi"} if route == COMP else {"messages": [{"role": "user", "content": "hi"}]})
+    s, d = scripted_server.post(route, body)
+    assert s == 400 and d["error"]["param"] == "return_tokens_as_token_ids" and d["error"]["code"] == 400, d
+    assert "boolean" in d["error"]["message"]
+    s, d = scripted_server.post(route, {**body, "return_tokens_as_token_ids": None})  # null: the default
+    assert s == 200, d
+
+
 def test_chat_max_tokens_and_stop(scripted_server):
     client = scripted_server.client()
     r = chat(client, "SCRIPT:long x", max_completion_tokens=5)

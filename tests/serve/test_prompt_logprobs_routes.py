@@ -163,6 +163,30 @@ def test_completions_echo_logprobs_through_the_openai_client(plp_server, tokeniz
     assert close(chunks[0].choices[0].logprobs.token_logprobs, want["token_logprobs"])
 
 
+def test_completions_echo_logprobs_return_tokens_as_token_ids(plp_server, tokenizer):
+    """vLLM's return_tokens_as_token_ids covers echo's prompt part too (streamed: the first chunk);
+    vLLM's prompt_logprobs keep their shape (ids as keys already, decoded_token the text)."""
+    ids, vocab = prompt_ids(tokenizer), len(tokenizer)
+    body = {"prompt": PROMPT, "echo": True, "logprobs": 2, "max_tokens": 3, "return_tokens_as_token_ids": True,
+            "return_token_ids": True}
+    s, d = plp_server.post(COMP, body)
+    assert s == 200, d
+    c, P = d["choices"][0], len(ids)
+    lp = c["logprobs"]
+    assert c["prompt_token_ids"] == ids and c["text"].startswith(PROMPT)
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids + c["token_ids"]]
+    want_tops = [None] + [{f"token_id:{t}": v for t, v in top_at(ids, p, 2, vocab)} for p in range(1, P)]
+    assert close(lp["top_logprobs"][:P], want_tops), lp["top_logprobs"][:P]
+    assert lp["text_offset"][:P] == legacy_prompt_part(tokenizer, ids, 2)["text_offset"]  # offsets into text
+    chunks = [ch for ch in plp_server.sse_events(COMP, {**body, "stream": True}) if ch.get("choices")]
+    assert chunks[0]["choices"][0]["logprobs"]["tokens"][:P] == lp["tokens"][:P]
+    for key in ("tokens", "top_logprobs"):
+        assert close([x for ch in chunks for x in ch["choices"][0]["logprobs"][key]], lp[key]), key
+    s, d = plp_server.post(COMP, {"prompt": PROMPT, "prompt_logprobs": 2, "max_tokens": 1,
+                                  "return_tokens_as_token_ids": True})
+    assert s == 200 and close(d["choices"][0]["prompt_logprobs"], vllm_expected(tokenizer, ids, 2)), d
+
+
 # --- vLLM prompt_logprobs -------------------------------------------------------------------------
 @pytest.mark.parametrize("n_top", [0, 2])
 def test_vllm_prompt_logprobs_on_completions(plp_server, tokenizer, n_top):

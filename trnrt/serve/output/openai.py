@@ -36,38 +36,51 @@ def stop_reason(creq, finish, matched):
     return None
 
 
-def chat_logprobs(ti, lps: list[TokenLogprob], n_top: int) -> list[dict]:
+def token_label(ti, token_id: int, as_ids: bool = False) -> str:
+    """A token as the logprobs output names it: its text, or vLLM's `token_id:<id>` with
+    return_tokens_as_token_ids (a client then knows the exact token, whatever its text)."""
+    return f"token_id:{token_id}" if as_ids else ti.piece(token_id)
+
+
+def _utf8(s: str) -> list[int]:
+    return list(s.encode("utf-8", "surrogatepass"))
+
+
+def chat_logprobs(ti, lps: list[TokenLogprob], n_top: int, as_ids: bool = False) -> list[dict]:
+    """Chat's logprobs `content` entries. With `as_ids` (return_tokens_as_token_ids) every `token`
+    is `token_id:<id>`; as vLLM, an entry's `bytes` stay its token's text's UTF-8 while a top
+    alternative's `bytes` are those of its `token` string."""
     out = []
     for lp in lps:
-        tok = ti.piece(lp.token_id)
-        out.append({"token": tok, "bytes": list(tok.encode("utf-8", "surrogatepass")), "logprob": lp.logprob,
-                    "top_logprobs": [{"token": (t := ti.piece(tid)), "bytes": list(t.encode("utf-8", "surrogatepass")),
-                                      "logprob": v}
+        out.append({"token": token_label(ti, lp.token_id, as_ids), "bytes": _utf8(ti.piece(lp.token_id)),
+                    "logprob": lp.logprob,
+                    "top_logprobs": [{"token": (t := token_label(ti, tid, as_ids)), "bytes": _utf8(t), "logprob": v}
                                      for tid, v in lp.top[:n_top]]})
     return out
 
 
 def completion_logprobs(ti, lps: list[TokenLogprob], offset: int, prompt_ids: list[int] | None = None,
-                        prompt_lps: list[TokenLogprob | None] | None = None, n_top: int = 0) -> tuple[dict, int]:
+                        prompt_lps: list[TokenLogprob | None] | None = None, n_top: int = 0,
+                        as_ids: bool = False) -> tuple[dict, int]:
     """The legacy logprobs object of generated tokens `lps`, text offsets from `offset`; with
     `prompt_lps` (echo with logprobs: the engine's entries for every prompt position) the prompt's
     tokens come first, the first one (nothing precedes it) with null token_logprob and top_logprobs,
-    the others with their top `n_top` alternatives."""
+    the others with their top `n_top` alternatives. With `as_ids` (return_tokens_as_token_ids)
+    `tokens` and the `top_logprobs` keys are `token_id:<id>`; `text_offset` still counts the
+    tokens' texts (offsets into `text`)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, e in zip(prompt_ids or [], prompt_lps or []):
-        tok = ti.piece(tid)
         offsets.append(offset)
-        offset += len(tok)
-        tokens.append(tok)
+        offset += len(ti.piece(tid))
+        tokens.append(token_label(ti, tid, as_ids))
         token_lps.append(None if e is None else e.logprob)
-        tops.append(None if e is None else {ti.piece(t): v for t, v in e.top[:n_top]})
+        tops.append(None if e is None else {token_label(ti, t, as_ids): v for t, v in e.top[:n_top]})
     for lp in lps:
-        tok = ti.piece(lp.token_id)
         offsets.append(offset)
-        offset += len(tok)
-        tokens.append(tok)
+        offset += len(ti.piece(lp.token_id))
+        tokens.append(token_label(ti, lp.token_id, as_ids))
         token_lps.append(lp.logprob)
-        tops.append({ti.piece(t): v for t, v in lp.top})
+        tops.append({token_label(ti, t, as_ids): v for t, v in lp.top})
     return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}, offset
 
 
@@ -153,6 +166,9 @@ class ChatRenderer:
         total_reasoning = None if all(r is None for r in reasoning) else sum(r or 0 for r in reasoning)
         return usage(cs[0].n_prompt, sum(c.num_output for c in cs), total_reasoning, cs[0].num_cached)
 
+    def _logprobs(self, lps: list[TokenLogprob], n_top: int) -> dict:
+        return {"content": chat_logprobs(self.ti, lps, n_top, self.creq.return_tokens_as_token_ids)}
+
     def _message(self, ch: "_Choice") -> dict:
         out = ch.out
         message: dict = {"role": "assistant", "content": "".join(ch.content), "reasoning_content": None}
@@ -189,7 +205,7 @@ class ChatRenderer:
             ch.content.append(d.get("content", ""))
             logprobs = None
             if self.creq.want_logprobs:
-                logprobs = {"content": chat_logprobs(self.ti, ch.lps, self.creq.params.logprobs or 0)}
+                logprobs = self._logprobs(ch.lps, self.creq.params.logprobs or 0)
             choices.append({"index": i, "message": self._message(ch), "logprobs": logprobs, "finish_reason": finish,
                             "matched_stop": matched, "stop_reason": stop_reason(self.creq, finish, matched)})
             if self.creq.return_token_ids:  # vLLM's token_ids, SGLang's response_token_ids
@@ -249,7 +265,7 @@ class ChatRenderer:
                 ch.pending_lps.extend(o.new_logprobs)
             ch.pending_ids.extend(o.new_token_ids)
             if d:
-                lp = {"content": chat_logprobs(self.ti, ch.pending_lps, n_top)} if want_lp else None
+                lp = self._logprobs(ch.pending_lps, n_top) if want_lp else None
                 ch.pending_lps = []
                 ids, ch.pending_ids = ch.pending_ids, []
                 yield self._chunk(d, lp, index=i, token_ids=ids)
@@ -265,7 +281,7 @@ class ChatRenderer:
 
     def _end_choice(self, i: int, ch: "_Choice", want_lp: bool, n_top: int) -> Iterator[bytes]:
         d = ch.out.finish()
-        lp = {"content": chat_logprobs(self.ti, ch.pending_lps, n_top)} if (want_lp and ch.pending_lps) else None
+        lp = self._logprobs(ch.pending_lps, n_top) if (want_lp and ch.pending_lps) else None
         ch.pending_lps = []
         ids, ch.pending_ids = ch.pending_ids, []
         if d:
@@ -316,7 +332,8 @@ class CompletionRenderer:
             finish, matched = openai_finish(finish_of(last[i]))
             logprobs = None
             if self.creq.logprobs is not None:
-                logprobs, _ = completion_logprobs(self.ti, lps[i], 0, *self._echo_prompt(i, plps[i]))
+                logprobs, _ = completion_logprobs(self.ti, lps[i], 0, *self._echo_prompt(i, plps[i]),
+                                                  as_ids=self.creq.return_tokens_as_token_ids)
             choices.append({"index": i, "text": texts[i], "logprobs": logprobs, "finish_reason": finish,
                             "matched_stop": matched, "stop_reason": stop_reason(self.creq, finish, matched)})
             if self.creq.prompt_logprobs is not None:  # vLLM's, per choice
@@ -366,7 +383,8 @@ class CompletionRenderer:
             if self.creq.logprobs is not None:
                 # the prompt's part (echo) rides on the chunk that carries the echoed text
                 echo_part = self._echo_prompt(i, o.prompt_logprobs) if not started[i] else (None, None, 0)
-                lp, offsets[i] = completion_logprobs(self.ti, o.new_logprobs or [], offsets[i], *echo_part)
+                lp, offsets[i] = completion_logprobs(self.ti, o.new_logprobs or [], offsets[i], *echo_part,
+                                                     as_ids=self.creq.return_tokens_as_token_ids)
             text = pending_echo[i] + o.new_text
             pending_echo[i] = ""
             pending_ids[i].extend(o.new_token_ids)

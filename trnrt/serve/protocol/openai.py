@@ -46,7 +46,7 @@ CHAT_FIELDS = _COMMON_FIELDS | {
     "custom_logit_processor", "custom_params", "thinking_token_budget", "continue_final_message",
     "spaces_between_special_tokens", "modalities", "audio", "functions", "function_call", "prediction",
     "web_search_options", "verbosity", "chat_template",
-    "add_generation_prompt", "return_token_ids", "return_prompt_token_ids",
+    "add_generation_prompt", "return_token_ids", "return_prompt_token_ids", "return_tokens_as_token_ids",
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | {
     "prompt", "echo", "logprobs", "n", "best_of", "suffix", "frequency_penalty", "presence_penalty", "cache_salt",
@@ -54,7 +54,7 @@ COMPLETION_FIELDS = _COMMON_FIELDS | {
     "stop_regex", "regex", "ebnf", "json_schema", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "response_format", "return_hidden_states", "priority",
     "prompt_logprobs", "logprob_start_len", "lora_path", "custom_logit_processor", "custom_params",
-    "thinking_token_budget", "spaces_between_special_tokens", "return_token_ids",
+    "thinking_token_budget", "spaces_between_special_tokens", "return_token_ids", "return_tokens_as_token_ids",
 }
 
 
@@ -107,6 +107,8 @@ class CommonRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     return_token_ids: bool = False  # vLLM's: token ids in the choices (and the prompt's)
     return_prompt_token_ids: bool = False  # SGLang's (chat): the prompt's token ids
+    # vLLM's: every token of the logprobs output written "token_id:<id>" instead of its text
+    return_tokens_as_token_ids: bool = False
     # vLLM's prompt_logprobs: N alternatives per prompt position (None: not asked); rendered as
     # vLLM's per-position {token id: {logprob, rank, decoded_token}} list
     prompt_logprobs: int | None = None
@@ -182,6 +184,7 @@ def _common(body: dict, max_tokens: int | None) -> tuple[CommonRequest, dict]:
                            params=params, rid=rid, priority=check_priority(body.get("priority"), lax=True), n=n,
                            continuous_usage=continuous, return_token_ids=_bool(body, "return_token_ids", False),
                            return_prompt_token_ids=_bool(body, "return_prompt_token_ids", False),
+                           return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", False),
                            cache_salt=_cache_salt(body))
     return common, body
 
