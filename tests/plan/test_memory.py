@@ -115,3 +115,27 @@ def test_cli_prints_the_table_and_exits_1_when_it_does_not_fit():
     assert "weights" in ok.output and "78.85 GB" in ok.output and "max running requests" in ok.output
     bad = runner.invoke(app, ["plan", "--tp-size", "8", "--device", "h100"])
     assert bad.exit_code == 1 and "TP 16" in bad.output
+
+
+def test_cpu_ranks_share_the_host_memory(tiny):
+    from trnrt.config.presets import load_preset
+    from trnrt.plan.devices import device
+
+    cpu = device("cpu")
+    p1 = check_fits(tiny, load_preset("default"), tp=1, device="cpu")
+    p2 = check_fits(tiny, load_preset("default"), tp=2, device="cpu")
+    assert (p1.device_bytes, p2.device_bytes) == (cpu.bytes_per_rank, cpu.bytes_per_rank // 2)
+    assert device("h100").rank_bytes(8) == 80 * 10**9
+
+
+def test_cli_reads_a_model_directory():
+    from trnrt.cli import app
+    from trnrt.models.paths import resolve_model_dir
+
+    tiny_dir = resolve_model_dir(None)
+    out = CliRunner().invoke(app, ["plan", "--model", str(tiny_dir), "--tp-size", "2", "--ep-size", "2",
+                                   "--device", "cpu", "--dtype", "float32"])
+    assert out.exit_code == 0, out.output
+    assert "TP 2 EP 2 on 2 x cpu" in out.output and "yes" in out.output
+    bad = CliRunner().invoke(app, ["plan", "--model", str(tiny_dir), "--tp-size", "3", "--device", "cpu"])
+    assert bad.exit_code == 2 and "divisible" in bad.output

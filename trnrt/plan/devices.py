@@ -4,7 +4,8 @@ and in docs/DEPLOY.md).
 h200 / h100: one GPU per rank, 8 per node, the marketed HBM in decimal GB (141 GB, 80 GB).
 trn2: a trn2.48xlarge, 16 Trainium2 chips x 96 GiB HBM; with LNC=2 (two physical NeuronCores per
 logical core, 4 logical cores a chip) an instance runs 64 ranks of 96 / 4 = 24 GiB each.
-cpu: one rank with this machine's MemAvailable (/proc/meminfo; 8 GiB where it cannot be read).
+cpu: this machine's MemAvailable (/proc/meminfo; 8 GiB where it cannot be read), shared by all
+ranks (gloo processes on one host): a rank gets MemAvailable / tp.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ class Device:
     bytes_per_rank: int
     ranks_per_instance: int
     note: str
+    shared: bool = False  # one memory for all ranks (the CPU host): a rank gets bytes_per_rank / tp
+
+    def rank_bytes(self, tp: int) -> int:
+        """Memory of one rank at tp ranks."""
+        return self.bytes_per_rank // tp if self.shared else self.bytes_per_rank
 
 
 def _mem_available() -> int:
@@ -45,7 +51,7 @@ def device(name: str) -> Device:
     if name == "trn2":
         return Device("trn2", 24 * GiB, 64, "trn2.48xlarge, LNC=2: 16 chips x 96 GiB / 4 logical cores")
     if name == "cpu":
-        return Device("cpu", _mem_available(), 1, "this host's MemAvailable")
+        return Device("cpu", _mem_available(), 1, "this host's MemAvailable, shared by the ranks", shared=True)
     raise ValueError(f"unknown device {name!r} (one of {', '.join(DEVICES)})")
 
 

@@ -34,14 +34,14 @@ def check_fits(cfg: Glm5NextConfig, engine: EngineConfig, tp: int = 1, ep: int =
     each tp; dtype None: the engine's; mtp None: on when the preset speculates."""
     dev = get_device(device)
     frac = mem_fraction_static if mem_fraction_static is not None else sglang_mem_fraction_static(tp)
-    p = plan(cfg, engine, tp, ep, dev.bytes_per_rank, frac, dtype, mtp)
+    p = plan(cfg, engine, tp, ep, dev.rank_bytes(tp), frac, dtype, mtp)
     if p.fits:
         return p
-    smallest = smallest_fitting_layout(cfg, engine, dev.bytes_per_rank,
+    smallest = smallest_fitting_layout(cfg, engine, dev.rank_bytes,
                                        mem_fraction_static or sglang_mem_fraction_static, MAX_SEARCH_TP, dtype, mtp)
     why = (f"weights {_gb(p.weights.total)} per rank, activations {_gb(p.activation)}: "
-           f"{_gb(p.state_pool)} left for state of the {_gb(int(frac * dev.bytes_per_rank))} static budget "
-           f"(mem_fraction_static {frac:.2f} of {_gb(dev.bytes_per_rank)})")
+           f"{_gb(p.state_pool)} left for state of the {_gb(int(frac * p.device_bytes))} static budget "
+           f"(mem_fraction_static {frac:.2f} of {_gb(p.device_bytes)})")
     if p.state_pool > 0:
         why += (f"; one request at max_model_len {engine.max_model_len} needs {_gb(p.request_bytes)}, "
                 f"the preset allocates {_gb(p.preset_state)}")

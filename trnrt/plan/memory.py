@@ -209,6 +209,7 @@ def plan(cfg: Glm5NextConfig, engine: EngineConfig, tp: int, ep: int, device_byt
     speculative steps unless given)."""
     if not 0.0 < mem_fraction_static <= 1.0:
         raise ValueError(f"mem_fraction_static must be in (0, 1], got {mem_fraction_static}")
+    sharding.check_layout(cfg, ParallelContext.for_rank(tp, 0, ep))  # names the dim first
     dtype = dtype or engine.dtype
     mtp = engine.speculative_num_steps > 0 if mtp is None else mtp
     st = state_bytes(cfg, tp, ep, engine.block_size, dtype, mtp)
@@ -236,14 +237,16 @@ def layouts(cfg: Glm5NextConfig, max_tp: int) -> list[tuple[int, int]]:
     return out
 
 
-def smallest_fitting_layout(cfg: Glm5NextConfig, engine: EngineConfig, device_bytes: int,
+def smallest_fitting_layout(cfg: Glm5NextConfig, engine: EngineConfig, device_bytes: int | Callable[[int], int],
                             mem_fraction_static: float | Callable[[int], float], max_tp: int,
                             dtype: str | None = None, mtp: bool | None = None) -> Plan | None:
     """The plan of the smallest (tp, ep) up to max_tp that fits, or None. mem_fraction_static:
-    a fraction, or a function of tp (SGLang's default depends on it)."""
+    a fraction, or a function of tp (SGLang's default depends on it); device_bytes: per rank, or a
+    function of tp (ranks sharing one host's memory)."""
     for tp, ep in layouts(cfg, max_tp):
         frac = mem_fraction_static(tp) if callable(mem_fraction_static) else mem_fraction_static
-        p = plan(cfg, engine, tp, ep, device_bytes, frac, dtype, mtp)
+        dev = device_bytes(tp) if callable(device_bytes) else device_bytes
+        p = plan(cfg, engine, tp, ep, dev, frac, dtype, mtp)
         if p.fits:
             return p
     return None
