@@ -24,14 +24,14 @@ the forward (embedding, logits): the body below repeats `Glm5NextForServing.forw
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
 from trnrt.parallel.context import ParallelContext
-from trnrt.parallel.layers import ParallelLMHead, VocabParallelEmbedding, vocab_parallel_embedding, vocab_parallel_logits
+from trnrt.parallel.layers import (ParallelLMHead, VocabParallelEmbedding, vocab_parallel_embedding,
+                                   vocab_parallel_logits)
 
 from .batch import ForwardBatch, ModelOutput, _make_meta
 from .config import ConfigError, Glm5NextConfig, Glm5NextMTPConfig
@@ -43,8 +43,6 @@ from .parallel_blocks import ParallelDenseMLP, ParallelKDA, ParallelMLA, Paralle
 from .sharding import local_config
 from .state import ModelState, MTPState
 from .weights import CheckpointError, is_fp32_param
-
-log = logging.getLogger("trnrt.models.glm5_next")
 
 
 def _swap_blocks(layer, cfg: Glm5NextConfig, ctx: ParallelContext) -> None:
