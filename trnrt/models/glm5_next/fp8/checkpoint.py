@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..weights import is_fp32_param
+from ..weights import _RENAMES, is_fp32_param
 from . import blocks, policy
 from .qconfig import QuantConfig
 
@@ -42,6 +42,13 @@ def _per_expert(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _keeps_fp32(name: str) -> bool:
+    """is_fp32_param under either naming (the release's `hc_attn_base` is `attn_hc.base`)."""
+    for a, b in _RENAMES:
+        name = name.replace(a, b)
+    return is_fp32_param(name)
+
+
 def quantize_raw(raw: dict[str, torch.Tensor], qc: QuantConfig, cast_rest: torch.dtype | None = None
                  ) -> dict[str, torch.Tensor]:
     """Checkpoint tensors -> the same checkpoint in the FP8 layout (policy weights quantized per
@@ -53,7 +60,7 @@ def quantize_raw(raw: dict[str, torch.Tensor], qc: QuantConfig, cast_rest: torch
             out[k] = t
         elif policy.quantizes(k) and t.dim() == 2 and not qc.keeps_bf16(k):
             out[k], out[k + "_scale_inv"] = blocks.quantize(t, qc.block)
-        elif cast_rest is not None and t.is_floating_point() and not is_fp32_param(k):
+        elif cast_rest is not None and t.is_floating_point() and not _keeps_fp32(k):
             out[k] = t.to(cast_rest).contiguous()
         else:
             out[k] = t.contiguous()
