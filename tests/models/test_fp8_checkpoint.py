@@ -189,3 +189,28 @@ def test_bad_fp8_input_is_refused_naming_it(dirs, tmp_path):
     with pytest.raises(ConfigError) as e:  # an unknown quant_method
         load_model(_broken(fp8_dir, tmp_path / "d", edit_cfg=lambda q: q.update(quant_method="awq")))
     assert e.value.field == "quantization_config.quant_method" and "'awq'" in str(e.value)
+
+
+def test_the_fp8_checkpoint_serves(dirs, models):
+    """trnrt.LLM over the FP8 directory (detected from config.json): greedy tokens as the FP8
+    model's own greedy decode gives them."""
+    from trnrt.engine.core.llm import LLM
+    from trnrt.engine.request import SamplingParams
+
+    _, fp8_dir = dirs
+    prompt = tokens(3, P).tolist()
+    with LLM(str(fp8_dir), engine_config=None, preset="default") as llm:
+        res = llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))[0]
+        assert llm.engine.runner.model.layers[0].self_attn.q_proj.qweight.dtype == torch.float8_e4m3fn
+    assert res.error is None and len(res.output_ids) == 8
+    m32 = load_model(fp8_dir)  # the default preset runs float32
+    assert res.output_ids == _greedy_one(m32, torch.tensor(prompt), 8)
+
+
+def _greedy_one(model, prompt: torch.Tensor, n: int) -> list[int]:
+    d = Driver(model, max_blocks=8)
+    d.new_seq("x")
+    out = [int(d.step([("x", prompt.tolist())]).logits[0].argmax())]
+    for _ in range(n - 1):
+        out.append(int(d.step([("x", [out[-1]])]).logits[0].argmax()))
+    return out

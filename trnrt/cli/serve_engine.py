@@ -124,7 +124,8 @@ def build_engine(args: ServerArgs):
                                    compiled_loader=loader, compiled_backend=args.backend or "cpu",
                                    stream_interval=args.stream_interval, structured_outputs=args.structured_outputs,
                                    penalties=args.penalties, prompt_logprobs=args.prompt_logprobs,
-                                   speculative=cfgs.speculative, prefix_cache_config=cfgs.prefix_cache_config)
+                                   speculative=cfgs.speculative, prefix_cache_config=cfgs.prefix_cache_config,
+                                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     return engine, tokenizer_factory
 
 

@@ -70,6 +70,8 @@ class EngineBuilderMixin:
         prompt_logprobs: bool = False,
         speculative: "SpeculativeConfig | None" = None,
         drafter_factory=None,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> Self:
         """Load the checkpoint (None: the embedded tiny model) and start the engine thread.
 
@@ -85,6 +87,11 @@ class EngineBuilderMixin:
         logit_bias and min_tokens (`trnrt serve --penalties`; the "penalties" variant graphs).
 
         `preset`, `max_running_requests` and `context_length`: see `resolve_configs`.
+
+        quantization ("fp8" or None; `trnrt serve --quantization`): quantize a bf16 checkpoint's
+        weights per 128x128 block at load; an FP8 checkpoint is FP8 without it (eager graphs:
+        compiled FP8 graphs are not built yet). kv_cache_dtype (`--kv-cache-dtype`): checked by
+        trnrt.models.glm5_next.fp8.kv_dtype (auto / bf16 = the model's dtype today).
 
         compiled_loader(model, state, engine_config) -> {GraphSpec: callable} runs compiled graphs
         (the CLI passes trnrt.compile.load_compiled; the engine layer never imports compile). The
@@ -115,7 +122,11 @@ class EngineBuilderMixin:
         speculative = preset_speculative(speculative, ecfg)
         check_speculative_flags(ecfg, ecfg.variants)
         dtype = getattr(torch, ecfg.dtype)
-        model = load_model(path, dtype=dtype, device=device, load_mtp=speculative is not None)
+        from trnrt.models.glm5_next.fp8.kv_dtype import resolve_kv_cache_dtype
+
+        resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+        model = load_model(path, dtype=dtype, device=device, load_mtp=speculative is not None,
+                           quantization=quantization)
         mcfg = model.config
         state = ModelState.allocate(mcfg, ecfg.num_blocks, ecfg.block_size, ecfg.num_slots, dtype, device,
                                     mtp=speculative is not None)
