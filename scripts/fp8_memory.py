@@ -20,7 +20,7 @@ from pathlib import Path
 
 CHILD = """
 import gc, json, sys, torch
-from trnrt.models.glm5_next.weights import load_model
+from trnrt.models.glm5_next.loading import load_model
 from trnrt.models.glm5_next.fp8.load import weight_bytes
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
@@ -33,7 +33,6 @@ print(json.dumps({"bytes": weight_bytes(m), "rss_growth": rss() - before}))
 
 def build(out: Path, hidden: int, experts: int) -> tuple[Path, Path]:
     import shutil
-
 
     from trnrt.models.glm5_next.fp8.checkpoint import convert_dir
     from trnrt.models.tiny.build import build_hf_model

@@ -20,7 +20,8 @@ from trnrt.models.glm5_next.config import ConfigError
 from trnrt.models.glm5_next.fp8 import blocks
 from trnrt.models.glm5_next.fp8.load import weight_bytes
 from trnrt.models.glm5_next.fp8.modules import Fp8Experts, Fp8Linear
-from trnrt.models.glm5_next.weights import CheckpointError, load_model
+from trnrt.models.glm5_next.loading import load_model
+from trnrt.models.glm5_next.weights import CheckpointError
 
 P, N, PROMPTS = 16, 32, 8  # 8 prompts x 32 greedy tokens = 256 positions
 

@@ -106,7 +106,7 @@ class EngineBuilderMixin:
 
         from trnrt.engine.runner.model_runner import ModelRunner
         from trnrt.models.glm5_next.state import ModelState
-        from trnrt.models.glm5_next.weights import load_model
+        from trnrt.models.glm5_next.loading import load_model
         from trnrt.models.paths import resolve_model_dir
 
         t0 = time.monotonic()

@@ -106,9 +106,7 @@ class Glm5NextConfig:
         if "text_config" in raw and "tie_word_embeddings" in raw and "tie_word_embeddings" not in d:
             d["tie_word_embeddings"] = raw["tie_word_embeddings"]
         if d.get("quantization_config") or raw.get("quantization_config"):
-            from .fp8.qconfig import parse  # FP8 block quantization only; anything else refused
-
-            parse(raw.get("quantization_config") or d.get("quantization_config"))
+            raise ConfigError("quantization_config", "quantised checkpoints are not implemented")
 
         n = int(d.get("num_hidden_layers", cls.num_hidden_layers))
         lin = d.get("linear_attn_config")

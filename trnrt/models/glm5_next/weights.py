@@ -186,7 +186,7 @@ def to_serving_names(
 
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    load_mtp: bool = False, quantization: str | None = None,
+    load_mtp: bool = False,
 ) -> Glm5NextForServing:
     """Read config.json + safetensors from `model_dir` and return the serving model (eval mode).
 
@@ -194,13 +194,7 @@ def load_model(
     fp32; all others are cast to `dtype`. Raises ConfigError / CheckpointError naming the culprit.
     load_mtp: also load the MTP layer into `model.mtp` (mtp.Glm5NextMTP; needs
     `num_nextn_predict_layers: 1`); off: it is skipped and the model is exactly the base model.
-    quantization: "fp8" quantizes a bf16 / fp32 checkpoint per 128x128 block as it loads; an FP8
-    checkpoint (config.json's quantization_config) takes the FP8 path by itself (fp8/load.py).
     """
-    from .fp8.load import load_fp8_model, wants_fp8
-
-    if wants_fp8(model_dir, quantization):
-        return load_fp8_model(model_dir, dtype=dtype, device=device, load_mtp=load_mtp)
     cfg = Glm5NextConfig.from_pretrained(model_dir)
     mtp_cfg = Glm5NextMTPConfig.from_pretrained(model_dir)
     if load_mtp and mtp_cfg.num_nextn_predict_layers != 1:

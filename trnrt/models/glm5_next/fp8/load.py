@@ -1,4 +1,4 @@
-"""Loading glm5_next with FP8 block-quantized weights (weights.load_model hands over to this).
+"""Loading glm5_next with FP8 block-quantized weights (glm5_next.loading.load_model hands over).
 
 An FP8 checkpoint (config.json's `quantization_config`) is read as is; with `quantization="fp8"`
 a bf16 / fp32 checkpoint is quantized per 128 x 128 block as it loads (SGLang's online FP8). The
@@ -9,6 +9,7 @@ Projection fusion (`prepare`) is skipped where a part is FP8: fusing would need 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -42,8 +43,7 @@ def load_fp8_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, d
                    load_mtp: bool = False) -> Glm5NextForServing:
     """load_model for FP8: same contract (eval mode, errors naming the tensor or field); `dtype`
     is the activation / compute dtype and that of the tensors kept unquantized."""
-    cfg = Glm5NextConfig.from_pretrained(model_dir)
-    mtp_cfg = Glm5NextMTPConfig.from_pretrained(model_dir)
+    cfg, mtp_cfg = _configs(model_dir)
     if load_mtp and mtp_cfg.num_nextn_predict_layers != 1:
         raise ConfigError("num_nextn_predict_layers",
                           f"load_mtp needs exactly one MTP layer, the config has {mtp_cfg.num_nextn_predict_layers}")
@@ -79,6 +79,17 @@ def load_fp8_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, d
     model.eval()
     prepare_fp8(model)
     return model
+
+
+def _configs(model_dir) -> tuple[Glm5NextConfig, Glm5NextMTPConfig]:
+    """The model configs without quantization_config (Glm5NextConfig refuses one: the bf16
+    loader must never take an FP8 checkpoint for its own; qconfig has checked it)."""
+    with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
+        raw = json.load(f)
+    raw.pop(qconfig.FIELD, None)
+    if isinstance(raw.get("text_config"), dict):
+        raw["text_config"] = {k: v for k, v in raw["text_config"].items() if k != qconfig.FIELD}
+    return Glm5NextConfig.from_dict(raw), Glm5NextMTPConfig.from_dict(raw)
 
 
 def _child(model: nn.Module, path: str, kind: type, tensor: str) -> nn.Module:

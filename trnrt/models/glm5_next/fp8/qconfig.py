@@ -19,7 +19,7 @@ from ..config import ConfigError
 QUANT_METHODS = ("fp8",)
 _KNOWN = {"quant_method", "weight_block_size", "activation_scheme", "fmt", "modules_to_not_convert",
           "ignored_layers", "scale_fmt"}
-_F = "quantization_config"
+_F = FIELD = "quantization_config"
 
 
 @dataclass(frozen=True)
