@@ -113,8 +113,13 @@ def build_engine(args: ServerArgs):
         typer.echo("trnrt serve: the engine (trnrt.engine.core.engine) is not available in this build", err=True)
         raise typer.Exit(1)
 
+    if args.compiled and args.quantization:
+        raise typer.BadParameter("FP8 graphs are not compiled yet: serve --quantization fp8 eagerly "
+                                 "(without --compiled)", param_hint="--quantization")
     if args.compiled:
         loader = compiled_loader(args.compiled, args.backend)
+    elif args.quantization:  # the cache holds the bf16 graphs of this checkpoint, not FP8 ones
+        loader = None
     else:
         loader = None if args.disable_compiled_cache else cached_loader(model_dir, args.preset, args.backend)
     cfgs = resolve_server_configs(args, compiled=loader is not None)
