@@ -29,7 +29,8 @@ def test_fp8_decode_graph_has_its_own_fingerprint(tmp_path):
         m = load_model(d, dtype=getattr(torch, ecfg.dtype))
         state = m.allocate_state(ecfg.num_blocks, ecfg.block_size, ecfg.num_slots)
         ep = export_spec(m, state, ecfg, spec).program
-        dtypes = {n.meta["val"].dtype for n in ep.graph.nodes if n.op == "placeholder" and hasattr(n.meta.get("val"), "dtype")}
+        dtypes = {n.meta["val"].dtype for n in ep.graph.nodes
+                  if n.op == "placeholder" and hasattr(n.meta.get("val"), "dtype")}
         got[name] = (fingerprint(ep).hash, dtypes)
     assert got["bf16"][0] == lock["hash"]  # the default graph is byte-identical to the lock
     assert torch.float8_e4m3fn not in got["bf16"][1]
