@@ -72,9 +72,12 @@ def load_fp8_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, d
             for proj, (q, s) in stacks.items():
                 sd[f"{path}.{proj}_q"], sd[f"{path}.{proj}_scale_inv"] = q, s
     _assign(model, sd, dtype, device)
-    n_fp8 = sum(p.numel() for p in model.parameters() if p.dtype == FP8_DTYPE)
-    log.info("glm5_next: FP8 weights %d linears + %d expert stacks (%.1f M FP8 values), block %s",
-             len(parts.linears), len(parts.experts), n_fp8 / 1e6, list(qc.block))
+    total = sum(weight_bytes(model).values())
+    fp8 = sum(p.nbytes for p in model.parameters() if p.dtype == FP8_DTYPE)
+    scales = sum(p.nbytes for n, p in model.named_parameters() if n.endswith("_scale_inv"))
+    log.info("glm5_next: FP8 weights (block %s): %d linears + %d expert stacks; resident weights %.1f MiB "
+             "= FP8 %.1f MiB + block scales %.2f MiB + other %.1f MiB", list(qc.block), len(parts.linears),
+             len(parts.experts), total / 2**20, fp8 / 2**20, scales / 2**20, (total - fp8 - scales) / 2**20)
     model.requires_grad_(False)
     model.eval()
     prepare_fp8(model)
