@@ -200,12 +200,16 @@ def test_the_fp8_checkpoint_serves(dirs, models):
 
     _, fp8_dir = dirs
     prompt = tokens(3, P).tolist()
-    with LLM(str(fp8_dir), engine_config=None, preset="default") as llm:
+    with LLM(str(fp8_dir), preset="default") as llm:
         res = llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))[0]
         assert llm.engine.runner.model.layers[0].self_attn.q_proj.qweight.dtype == torch.float8_e4m3fn
     assert res.error is None and len(res.output_ids) == 8
     m32 = load_model(fp8_dir)  # the default preset runs float32
     assert res.output_ids == _greedy_one(m32, torch.tensor(prompt), 8)
+    with LLM(str(fp8_dir), preset="default", kv_cache_dtype="fp8_e4m3") as llm:  # and with an FP8 KV cache
+        res = llm.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))[0]
+        assert llm.engine.runner.state.latent.dtype == torch.float8_e4m3fn
+    assert res.error is None and len(res.output_ids) == 8
 
 
 def _greedy_one(model, prompt: torch.Tensor, n: int) -> list[int]:

@@ -16,8 +16,8 @@ def test_kv_cache_dtype_choices():
     assert KV_CACHE_DTYPES == kv_dtype.KV_CACHE_DTYPES and (None, *QUANTIZATIONS) == MODEL_QUANTIZATIONS
     assert kv_dtype.resolve_kv_cache_dtype("auto", torch.float32) == torch.float32
     assert kv_dtype.resolve_kv_cache_dtype("bf16", torch.bfloat16) == torch.bfloat16
+    assert kv_dtype.resolve_kv_cache_dtype("fp8_e4m3", torch.float32) == torch.float8_e4m3fn
     for choice, model_dtype, words in (("bf16", torch.float32, "bfloat16"),
-                                       ("fp8_e4m3", torch.bfloat16, "not implemented"),
                                        ("fp16", torch.float32, "not one of")):
         with pytest.raises(ConfigError, match=words) as e:
             kv_dtype.resolve_kv_cache_dtype(choice, model_dtype)

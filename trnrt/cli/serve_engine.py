@@ -113,12 +113,13 @@ def build_engine(args: ServerArgs):
         typer.echo("trnrt serve: the engine (trnrt.engine.core.engine) is not available in this build", err=True)
         raise typer.Exit(1)
 
-    if args.compiled and args.quantization:
-        raise typer.BadParameter("FP8 graphs are not compiled yet: serve --quantization fp8 eagerly "
-                                 "(without --compiled)", param_hint="--quantization")
+    fp8 = args.quantization or args.kv_cache_dtype == "fp8_e4m3"
+    if args.compiled and fp8:
+        raise typer.BadParameter("FP8 graphs are not compiled yet: serve --quantization fp8 / --kv-cache-dtype "
+                                 "fp8_e4m3 eagerly (without --compiled)", param_hint="--quantization")
     if args.compiled:
         loader = compiled_loader(args.compiled, args.backend)
-    elif args.quantization:  # the cache holds the bf16 graphs of this checkpoint, not FP8 ones
+    elif fp8:  # the cache holds the default graphs of this checkpoint, not FP8 ones
         loader = None
     else:
         loader = None if args.disable_compiled_cache else cached_loader(model_dir, args.preset, args.backend)

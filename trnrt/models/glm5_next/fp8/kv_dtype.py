@@ -4,8 +4,8 @@ key cache (and its open-pool tail).
 * auto: the model's dtype (the default graphs' state);
 * bf16: bfloat16; the same as auto on a bfloat16 preset, refused on another (the forward would
   write bf16 latents from fp32 activations: a cast on the traced cache write and read);
-* fp8_e4m3: refused for now. It needs a cast (with a scale) on every cache write and read of
-  MLA and the indexer: new FP8-cache attention subclasses beside the traced default ones.
+* fp8_e4m3: float8_e4m3fn, scale 1 (kv_cache.py: FP8-cache forms of MLA and the indexer, swapped
+  in only then; eager only).
 The KDA recurrent state stays fp32 whatever the flag (as the reference keeps it): the state is
 a running sum over the whole sequence, where bf16 rounding accumulates every token.
 """
@@ -31,5 +31,4 @@ def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype
             raise ConfigError("kv_cache_dtype", f"bf16 needs a bfloat16 model (this preset runs {model_dtype}); "
                               "use auto or a bfloat16 preset")
         return torch.bfloat16
-    raise ConfigError("kv_cache_dtype", "fp8_e4m3 is not implemented yet (the MLA latent and indexer key "
-                      "caches are in the model's dtype); use auto")
+    return torch.float8_e4m3fn
