@@ -113,8 +113,14 @@ def build_engine(args: ServerArgs):
         typer.echo("trnrt serve: the engine (trnrt.engine.core.engine) is not available in this build", err=True)
         raise typer.Exit(1)
 
+    fp8 = args.quantization or args.kv_cache_dtype == "fp8_e4m3"
+    if args.compiled and fp8:
+        raise typer.BadParameter("FP8 graphs are not compiled yet: serve --quantization fp8 / --kv-cache-dtype "
+                                 "fp8_e4m3 eagerly (without --compiled)", param_hint="--quantization")
     if args.compiled:
         loader = compiled_loader(args.compiled, args.backend)
+    elif fp8:  # the cache holds the default graphs of this checkpoint, not FP8 ones
+        loader = None
     else:
         loader = None if args.disable_compiled_cache else cached_loader(model_dir, args.preset, args.backend)
     cfgs = resolve_server_configs(args, compiled=loader is not None)
@@ -124,7 +130,8 @@ def build_engine(args: ServerArgs):
                                    compiled_loader=loader, compiled_backend=args.backend or "cpu",
                                    stream_interval=args.stream_interval, structured_outputs=args.structured_outputs,
                                    penalties=args.penalties, prompt_logprobs=args.prompt_logprobs,
-                                   speculative=cfgs.speculative, prefix_cache_config=cfgs.prefix_cache_config)
+                                   speculative=cfgs.speculative, prefix_cache_config=cfgs.prefix_cache_config,
+                                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     return engine, tokenizer_factory
 
 
