@@ -139,3 +139,28 @@ def test_cli_reads_a_model_directory():
     assert "TP 2 EP 2 on 2 x cpu" in out.output and "yes" in out.output
     bad = CliRunner().invoke(app, ["plan", "--model", str(tiny_dir), "--tp-size", "3", "--device", "cpu"])
     assert bad.exit_code == 2 and "divisible" in bad.output
+
+
+def test_tp1_weight_bytes_equal_the_loaded_models_resident_bytes():
+    """The plan against what the loaders actually hold (the tiny checkpoint, bf16 and FP8):
+    bf16 exactly; FP8 within 0.1 % (prepare's fused FP8 matrices keep each part's scale rows,
+    which the tiny dims, below one 128-block, round differently)."""
+    from trnrt.models.glm5_next.fp8.load import weight_bytes as resident
+    from trnrt.models.glm5_next.loading import load_model
+    from trnrt.models.paths import resolve_model_dir
+    from trnrt.plan.fit import model_config
+
+    d = resolve_model_dir(None)
+    cfg, _ = model_config(d)
+    bf16 = sum(resident(load_model(d, dtype=torch.bfloat16)).values())
+    assert weight_bytes(cfg, 1, 1, "bfloat16").total == bf16
+    fp8 = sum(resident(load_model(d, dtype=torch.bfloat16, quantization="fp8")).values())
+    assert abs(weight_bytes(cfg, 1, 1, "bfloat16", quantization="fp8").total / fp8 - 1) < 1e-3
+
+
+def test_h100_tp8_fits_with_fp8_weights():
+    """tensor_parallel.md §6: FP8 experts 40.8 GB/rank at TP 8; the FP8 policy also quantizes the
+    attention and shared experts (~1.1 GB less, docs/DEPLOY.md): 39.7 GB."""
+    cfg = real_config()
+    assert abs(weight_bytes(cfg, 8, 1, "bfloat16", quantization="fp8").total / GB - 39.7) < 0.1
+    assert check_fits(cfg, _engine(), tp=8, ep=1, device="h100", quantization="fp8").max_running_requests >= 1

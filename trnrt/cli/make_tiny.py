@@ -14,20 +14,23 @@ from trnrt.cli import app
 def make_tiny(
     out_dir: Annotated[Path, typer.Argument(help="Directory to write (replaced if it holds a checkpoint).", metavar="DIR")],
     seed: Annotated[int, typer.Option("--seed", help="Weight seed; the same seed gives byte-identical files.")] = 0,
+    fp8: Annotated[bool, typer.Option("--fp8", help="Write the FP8 release layout: float8_e4m3fn weights with a "
+                                      "weight_scale_inv per 128x128 block, quantized from the bf16 tiny weights.")] = False,
 ) -> None:
     """Write the tiny random-weight glm5_next checkpoint (config, weights, tokenizer, chat template)."""
     from rich.console import Console
     from rich.table import Table
 
     from trnrt.models.tiny import write_tiny_checkpoint
+    from trnrt.models.tiny.fp8 import write_tiny_fp8_checkpoint
 
     console = Console()
     try:
-        path = write_tiny_checkpoint(out_dir, seed=seed)
+        path = (write_tiny_fp8_checkpoint if fp8 else write_tiny_checkpoint)(out_dir, seed=seed)
     except FileExistsError as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
-    table = Table(title=f"tiny glm5_next checkpoint, seed {seed}", title_justify="left")
+    table = Table(title=f"tiny glm5_next checkpoint{' (FP8)' if fp8 else ''}, seed {seed}", title_justify="left")
     table.add_column("file")
     table.add_column("bytes", justify="right")
     for p in sorted(path.iterdir()):

@@ -22,6 +22,7 @@ def plan_cmd(
     dtype: Annotated[str, typer.Option("--dtype", help="Weight / state dtype (float32 | bfloat16 | float16).")] = "bfloat16",
     context_length: Annotated[Optional[int], typer.Option("--context-length", help="Override the preset's max_model_len.")] = None,
     mtp: Annotated[Optional[bool], typer.Option("--mtp/--no-mtp", help="Count the MTP layer (default: when the preset speculates).")] = None,
+    quantization: Annotated[Optional[str], typer.Option("--quantization", help="fp8: FP8 weights with 128x128 block scales (default: an FP8 checkpoint's own).")] = None,
 ) -> None:
     """Print weight, state and capacity bytes per rank of a layout; exit 1 if it does not fit."""
     import dataclasses
@@ -29,15 +30,15 @@ def plan_cmd(
     from rich.console import Console
 
     from trnrt.config.presets import load_preset
-    from trnrt.models.glm5_next.config import Glm5NextConfig
     from trnrt.plan.devices import device as get_device
-    from trnrt.plan.fit import PlanError, check_fits, real_config
+    from trnrt.plan.fit import PlanError, check_fits, model_config, real_config
     from trnrt.plan.render import plan_table
 
     console = Console(width=140)
     try:
         if model is not None:
-            cfg, name = Glm5NextConfig.from_pretrained(model), str(model)
+            cfg, fp8 = model_config(model)
+            name, quantization = str(model), quantization or ("fp8" if fp8 else None)
         elif dims == "real":
             cfg, name = real_config(), "GLM-5.3-Flash"
         else:
@@ -46,14 +47,14 @@ def plan_cmd(
         if context_length:
             engine = dataclasses.replace(engine, max_model_len=context_length)
         dev = get_device(device)
-        p = check_fits(cfg, engine, tp_size, ep_size, device, mem_fraction_static, dtype, mtp)
+        p = check_fits(cfg, engine, tp_size, ep_size, device, mem_fraction_static, dtype, mtp, quantization)
         code = 0
     except PlanError as e:
         p, code = e.plan, 1
-        console.print(plan_table(p, dev, dtype, name))
+        console.print(plan_table(p, dev, dtype + (', fp8 weights' if quantization else ''), name))
         console.print(f"[red]does not fit:[/red] {e}")
         raise typer.Exit(code) from None
     except ValueError as e:  # config, preset, layout or option errors
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
-    console.print(plan_table(p, dev, dtype, name))
+    console.print(plan_table(p, dev, dtype + (', fp8 weights' if quantization else ''), name))

@@ -25,6 +25,8 @@ def serve(
     model: o.Model = D.model,
     tokenizer_path: o.TokenizerPath = D.tokenizer_path,
     context_length: o.ContextLength = D.context_length,
+    quantization: o.Quantization = D.quantization,
+    kv_cache_dtype: o.KvCacheDtype = D.kv_cache_dtype,
     preset: o.Preset = D.preset,
     compiled: o.Compiled = D.compiled,
     backend: o.Backend = D.backend,

@@ -113,8 +113,14 @@ def build_engine(args: ServerArgs):
         typer.echo("trnrt serve: the engine (trnrt.engine.core.engine) is not available in this build", err=True)
         raise typer.Exit(1)
 
+    fp8 = args.quantization or args.kv_cache_dtype == "fp8_e4m3"
+    if args.compiled and fp8:
+        raise typer.BadParameter("FP8 graphs are not compiled yet: serve --quantization fp8 / --kv-cache-dtype "
+                                 "fp8_e4m3 eagerly (without --compiled)", param_hint="--quantization")
     if args.compiled:
         loader = compiled_loader(args.compiled, args.backend)
+    elif fp8:  # the cache holds the default graphs of this checkpoint, not FP8 ones
+        loader = None
     else:
         loader = None if args.disable_compiled_cache else cached_loader(model_dir, args.preset, args.backend)
     cfgs = resolve_server_configs(args, compiled=loader is not None)
@@ -122,14 +128,15 @@ def build_engine(args: ServerArgs):
 
     check_serve_fits(model_dir, args.preset, tp=getattr(args, "tp_size", 1), ep=getattr(args, "ep_size", 1),
                      device="trn2" if args.backend == "neuron" else "cpu",
-                     mem_fraction_static=getattr(args, "mem_fraction_static", None))
+                     mem_fraction_static=getattr(args, "mem_fraction_static", None), quantization=args.quantization)
     engine = Engine.from_model_dir(model_dir, preset=args.preset, max_running_requests=args.max_running_requests,
                                    context_length=args.context_length, scheduler_config=cfgs.scheduler_config,
                                    served_model_name=args.served_model_name,
                                    compiled_loader=loader, compiled_backend=args.backend or "cpu",
                                    stream_interval=args.stream_interval, structured_outputs=args.structured_outputs,
                                    penalties=args.penalties, prompt_logprobs=args.prompt_logprobs,
-                                   speculative=cfgs.speculative, prefix_cache_config=cfgs.prefix_cache_config)
+                                   speculative=cfgs.speculative, prefix_cache_config=cfgs.prefix_cache_config,
+                                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     return engine, tokenizer_factory
 
 

@@ -25,6 +25,8 @@ EVICTION_POLICIES = ("lru", "lfu", "slru", "priority", "tlru")  # = trnrt.engine
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 TOOL_CALL_PARSERS = ("glm47", "glm45")
 REASONING_PARSERS = ("glm45",)
+QUANTIZATIONS = ("fp8",)  # = trnrt.models.glm5_next.fp8.load.QUANTIZATIONS (less None)
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")  # = trnrt.models.glm5_next.fp8.kv_dtype.KV_CACHE_DTYPES
 
 
 @dataclass
@@ -36,6 +38,8 @@ class ServerArgs:
     model: str | None = None
     tokenizer_path: str | None = None
     context_length: int | None = None
+    quantization: str | None = None  # fp8: online block quantization (an FP8 checkpoint needs none)
+    kv_cache_dtype: str = "auto"
     # Graphs: preset and compiled artifacts (without --compiled, the artifact cache's graphs of
     # this model and preset run when valid, unless disable_compiled_cache)
     preset: str = "default"
@@ -140,9 +144,12 @@ class ServerArgs:
                 raw[name] = _parser_choice(raw[name], choices, "--" + name.replace("_", "-"))
         for name, choices in (("radix_eviction_policy", EVICTION_POLICIES),
                               ("hicache_write_policy", HICACHE_WRITE_POLICIES),
+                              ("kv_cache_dtype", KV_CACHE_DTYPES),
                               ("schedule_policy", SCHEDULE_POLICIES + tuple(SCHEDULE_POLICY_ALIASES))):
             if name in raw:
                 _choice(raw[name], choices, "--" + name.replace("_", "-"))
+        if raw.get("quantization") is not None:
+            raw["quantization"] = _parser_choice(raw["quantization"], QUANTIZATIONS, "--quantization")
         for name in ("allowed_origins", "allowed_hosts"):
             if name in raw:
                 raw[name] = csv(raw[name])

@@ -27,18 +27,20 @@ def _gb(n: int) -> str:
 
 def check_fits(cfg: Glm5NextConfig, engine: EngineConfig, tp: int = 1, ep: int = 1, device: str = "cpu",
                mem_fraction_static: float | None = None, dtype: str | None = None,
-               mtp: bool | None = None) -> Plan:
+               mtp: bool | None = None, quantization: str | None = None) -> Plan:
     """The rank's Plan if it fits; else PlanError naming what does not fit and the smallest
     (tp, ep) that would (over the layouts that divide the dims, up to MAX_SEARCH_TP ranks),
     with how many devices of this kind it takes. mem_fraction_static None: SGLang's default for
-    each tp; dtype None: the engine's; mtp None: on when the preset speculates."""
+    each tp; dtype None: the engine's; mtp None: on when the preset speculates; quantization
+    "fp8": FP8 weights (memory.weight_bytes)."""
     dev = get_device(device)
     frac = mem_fraction_static if mem_fraction_static is not None else sglang_mem_fraction_static(tp)
-    p = plan(cfg, engine, tp, ep, dev.rank_bytes(tp), frac, dtype, mtp)
+    p = plan(cfg, engine, tp, ep, dev.rank_bytes(tp), frac, dtype, mtp, quantization)
     if p.fits:
         return p
     smallest = smallest_fitting_layout(cfg, engine, dev.rank_bytes,
-                                       mem_fraction_static or sglang_mem_fraction_static, MAX_SEARCH_TP, dtype, mtp)
+                                       mem_fraction_static or sglang_mem_fraction_static, MAX_SEARCH_TP, dtype, mtp,
+                                       quantization)
     why = (f"weights {_gb(p.weights.total)} per rank, activations {_gb(p.activation)}: "
            f"{_gb(p.state_pool)} left for state of the {_gb(int(frac * p.device_bytes))} static budget "
            f"(mem_fraction_static {frac:.2f} of {_gb(p.device_bytes)})")
@@ -53,7 +55,8 @@ def check_fits(cfg: Glm5NextConfig, engine: EngineConfig, tp: int = 1, ep: int =
                 f"({smallest.tp} x {device}, {nodes} instance(s) of {dev.ranks_per_instance}): "
                 f"weights {_gb(smallest.weights.total)} per rank, "
                 f"{smallest.max_running_requests} requests at max_model_len")
-    raise PlanError(f"TP {tp} EP {ep} on {device} ({dtype or engine.dtype}) does not fit: {why}; {hint}",
+    what = f"{dtype or engine.dtype}{', fp8 weights' if quantization else ''}"
+    raise PlanError(f"TP {tp} EP {ep} on {device} ({what}) does not fit: {why}; {hint}",
                     p, smallest)
 
 
@@ -65,11 +68,25 @@ def real_config() -> Glm5NextConfig:
     return Glm5NextConfig.from_dict(json.loads((Path(__file__).parent / "real_config.json").read_text()))
 
 
+def model_config(model_dir) -> tuple[Glm5NextConfig, bool]:
+    """A checkpoint's text config, and whether it is an FP8 checkpoint (its quantization_config,
+    which Glm5NextConfig refuses, set aside: the plan needs only the dims)."""
+    import json
+    from pathlib import Path
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    fp8 = bool(raw.pop("quantization_config", None) or text.pop("quantization_config", None))
+    return Glm5NextConfig.from_dict(raw), fp8
+
+
 def check_serve_fits(model_dir: str, preset: str | None, tp: int = 1, ep: int = 1, device: str = "cpu",
-                     mem_fraction_static: float | None = None) -> Plan:
+                     mem_fraction_static: float | None = None, quantization: str | None = None) -> Plan:
     """check_fits of a model directory's config under a preset (what `trnrt serve` runs before
-    loading weights); PlanError if it does not fit."""
+    loading weights; an FP8 checkpoint or quantization "fp8" is planned with FP8 weights);
+    PlanError if it does not fit."""
     from trnrt.config.presets import load_preset
 
-    return check_fits(Glm5NextConfig.from_pretrained(model_dir), load_preset(preset or "default"),
-                      tp, ep, device, mem_fraction_static)
+    cfg, fp8 = model_config(model_dir)
+    return check_fits(cfg, load_preset(preset or "default"), tp, ep, device, mem_fraction_static,
+                      quantization=quantization or ("fp8" if fp8 else None))

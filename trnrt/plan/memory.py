@@ -75,20 +75,49 @@ class WeightBytes:
     mtp: int  # of total: the MTP layer's (0 without it)
 
 
+FP8_BLOCK = 128  # rows and columns of one fp32 scale block of an FP8 weight
+
+
+def is_fp8_weight(name: str) -> bool:
+    """Whether `--quantization fp8` stores a serving weight in FP8 (fp8.policy; the stacked routed
+    experts, whose serving names have no `.weight`, are FP8 as their projections)."""
+    from trnrt.models.glm5_next.fp8.policy import quantizes
+
+    return quantizes(name) or name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+
+
+def _fp8_bytes(shape: tuple[int, ...]) -> int:
+    """1 byte an element plus one fp32 scale per FP8_BLOCK x FP8_BLOCK block of the last two dims."""
+    *lead, rows, cols = shape
+    n = rows * cols
+    blocks = -(-rows // FP8_BLOCK) * -(-cols // FP8_BLOCK)
+    for d in lead:
+        n, blocks = n * d, blocks * d
+    return n + 4 * blocks
+
+
 def weight_bytes(cfg: Glm5NextConfig, tp: int, ep: int = 1, dtype: str = "bfloat16", mtp: bool = False,
-                 rule=sharding.rule_for) -> WeightBytes:
+                 rule=sharding.rule_for, quantization: str | None = None) -> WeightBytes:
     """Bytes of rank 0's weights at tp / ep (ConfigError / ShardingError if the layout cannot cut them).
-    rule: the sharding rule lookup (tests pass a wrong one to see the check fail)."""
+    rule: the sharding rule lookup (tests pass a wrong one to see the check fail). quantization
+    "fp8": the weights `is_fp8_weight` names at 1 byte plus their block scales (an estimate of
+    `--quantization fp8` / an FP8 release; the rest as without)."""
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be fp8 or none, got {quantization!r}")
     ctx = ParallelContext.for_rank(tp, 0, ep)
     sharding.check_layout(cfg, ctx)
     b = dtype_bytes(dtype)
     total = repl = extra = 0
     for name, shape in serving_shapes(cfg, mtp):
         r = rule(name, cfg)
+        local = shard_shape(r, shape, ctx, name)
         n = 1
-        for d in shard_shape(r, shape, ctx, name):
+        for d in local:
             n *= d
-        nbytes = n * (4 if is_fp32_param(name) else b)
+        if quantization and len(local) >= 2 and is_fp8_weight(name):
+            nbytes = _fp8_bytes(local)
+        else:
+            nbytes = n * (4 if is_fp32_param(name) else b)
         total += nbytes
         repl += nbytes if not r else 0
         extra += nbytes if name.startswith("mtp.") else 0
@@ -204,7 +233,8 @@ class Plan:
 
 
 def plan(cfg: Glm5NextConfig, engine: EngineConfig, tp: int, ep: int, device_bytes: int,
-         mem_fraction_static: float, dtype: str | None = None, mtp: bool | None = None) -> Plan:
+         mem_fraction_static: float, dtype: str | None = None, mtp: bool | None = None,
+         quantization: str | None = None) -> Plan:
     """The memory plan of rank 0 (dtype: the engine's unless given; mtp: on when the preset has
     speculative steps unless given)."""
     if not 0.0 < mem_fraction_static <= 1.0:
@@ -214,7 +244,7 @@ def plan(cfg: Glm5NextConfig, engine: EngineConfig, tp: int, ep: int, device_byt
     mtp = engine.speculative_num_steps > 0 if mtp is None else mtp
     st = state_bytes(cfg, tp, ep, engine.block_size, dtype, mtp)
     return Plan(tp=tp, ep=ep, device_bytes=device_bytes, mem_fraction_static=mem_fraction_static,
-                weights=weight_bytes(cfg, tp, ep, dtype, mtp), state=st,
+                weights=weight_bytes(cfg, tp, ep, dtype, mtp, quantization=quantization), state=st,
                 activation=activation_bytes(cfg, tp, step_tokens(engine), dtype),
                 max_model_len=engine.max_model_len,
                 preset_state=engine.num_blocks * st.block + engine.num_slots * st.slot)
@@ -239,14 +269,15 @@ def layouts(cfg: Glm5NextConfig, max_tp: int) -> list[tuple[int, int]]:
 
 def smallest_fitting_layout(cfg: Glm5NextConfig, engine: EngineConfig, device_bytes: int | Callable[[int], int],
                             mem_fraction_static: float | Callable[[int], float], max_tp: int,
-                            dtype: str | None = None, mtp: bool | None = None) -> Plan | None:
+                            dtype: str | None = None, mtp: bool | None = None,
+                            quantization: str | None = None) -> Plan | None:
     """The plan of the smallest (tp, ep) up to max_tp that fits, or None. mem_fraction_static:
     a fraction, or a function of tp (SGLang's default depends on it); device_bytes: per rank, or a
     function of tp (ranks sharing one host's memory)."""
     for tp, ep in layouts(cfg, max_tp):
         frac = mem_fraction_static(tp) if callable(mem_fraction_static) else mem_fraction_static
         dev = device_bytes(tp) if callable(device_bytes) else device_bytes
-        p = plan(cfg, engine, tp, ep, dev, frac, dtype, mtp)
+        p = plan(cfg, engine, tp, ep, dev, frac, dtype, mtp, quantization)
         if p.fits:
             return p
     return None

@@ -70,6 +70,8 @@ class EngineBuilderMixin:
         prompt_logprobs: bool = False,
         speculative: "SpeculativeConfig | None" = None,
         drafter_factory=None,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> Self:
         """Load the checkpoint (None: the embedded tiny model) and start the engine thread.
 
@@ -86,6 +88,12 @@ class EngineBuilderMixin:
 
         `preset`, `max_running_requests` and `context_length`: see `resolve_configs`.
 
+        quantization ("fp8" or None; `trnrt serve --quantization`): quantize a bf16 checkpoint's
+        weights per 128x128 block at load; an FP8 checkpoint is FP8 without it (eager graphs:
+        compiled FP8 graphs are not built yet). kv_cache_dtype (`--kv-cache-dtype`, checked by
+        trnrt.models.glm5_next.fp8.kv_dtype): auto / bf16 = the model's dtype; fp8_e4m3: the MLA
+        latent and indexer key caches in float8_e4m3fn (fp8/kv_cache.py; eager).
+
         compiled_loader(model, state, engine_config) -> {GraphSpec: callable} runs compiled graphs
         (the CLI passes trnrt.compile.load_compiled; the engine layer never imports compile). The
         cache sizes and max_model_len are graph inputs then, so they stay the preset's.
@@ -99,7 +107,7 @@ class EngineBuilderMixin:
 
         from trnrt.engine.runner.model_runner import ModelRunner
         from trnrt.models.glm5_next.state import ModelState
-        from trnrt.models.glm5_next.weights import load_model
+        from trnrt.models.glm5_next.loading import load_model
         from trnrt.models.paths import resolve_model_dir
 
         t0 = time.monotonic()
@@ -115,10 +123,21 @@ class EngineBuilderMixin:
         speculative = preset_speculative(speculative, ecfg)
         check_speculative_flags(ecfg, ecfg.variants)
         dtype = getattr(torch, ecfg.dtype)
-        model = load_model(path, dtype=dtype, device=device, load_mtp=speculative is not None)
+        from trnrt.models.glm5_next.fp8.kv_dtype import resolve_kv_cache_dtype
+
+        fp8_kv = resolve_kv_cache_dtype(kv_cache_dtype, dtype) == torch.float8_e4m3fn
+        if fp8_kv and compiled_loader is not None:
+            raise ValueError("kv_cache_dtype fp8_e4m3 runs eagerly: no compiled FP8-cache graphs yet")
+        model = load_model(path, dtype=dtype, device=device, load_mtp=speculative is not None,
+                           quantization=quantization)
         mcfg = model.config
         state = ModelState.allocate(mcfg, ecfg.num_blocks, ecfg.block_size, ecfg.num_slots, dtype, device,
                                     mtp=speculative is not None)
+        if fp8_kv:
+            from trnrt.models.glm5_next.fp8.kv_cache import to_fp8_kv_state, use_fp8_kv_cache
+
+            use_fp8_kv_cache(model)
+            state = to_fp8_kv_state(state)
         compiled = compiled_loader(model, state, ecfg) if compiled_loader is not None else None
         if speculative is None:
             runner = ModelRunner(model, state, ecfg, mcfg.vocab_size, compiled=compiled)
