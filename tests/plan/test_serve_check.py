@@ -47,3 +47,24 @@ def test_a_layout_that_cannot_fit_stops_before_the_engine(reached, monkeypatch):
     with pytest.raises(PlanError, match="does not fit"):
         build_engine(_args())
     assert reached == []
+
+
+def test_an_fp8_checkpoint_is_planned_with_fp8_weights(reached, tmp_path):
+    """Its quantization_config is set aside for the dims (Glm5NextConfig refuses it), and the
+    plan counts FP8 weights; serve goes on to the engine."""
+    from trnrt.cli.serve_engine import build_engine
+    from trnrt.models.tiny.fp8 import write_tiny_fp8_checkpoint
+    from trnrt.plan.fit import check_serve_fits, model_config
+
+    d = write_tiny_fp8_checkpoint(tmp_path / "fp8")
+    cfg, fp8 = model_config(d)
+    assert fp8
+    from trnrt.config.presets import load_preset
+    from trnrt.plan.fit import check_fits
+
+    planned = check_serve_fits(str(d), "default")
+    unquantized = check_fits(cfg, load_preset("default"))  # the preset dtype, float32
+    assert planned.weights.total < unquantized.weights.total  # FP8 weights were counted
+    with pytest.raises(RuntimeError, match="engine reached"):
+        build_engine(_args(model=str(d)))
+    assert reached == [str(d)]
