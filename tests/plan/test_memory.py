@@ -56,14 +56,18 @@ def test_planted_bug_a_replicated_tensor_counted_as_split_is_caught(tiny, tiny_s
     assert weight_bytes(tiny, 2, 1, "bfloat16", mtp=True, rule=wrong).total != _real_bytes(tiny_sd, tiny, 2, 1)
 
 
-def test_tiny_state_bytes_equal_the_sharded_state(tiny):
+@pytest.mark.parametrize("kv", [None, "fp8_e4m3"])
+def test_tiny_state_bytes_equal_the_sharded_state(tiny, kv):
+    from trnrt.models.glm5_next.fp8.kv_cache import to_fp8_kv_state
+
     ctx = ParallelContext.for_rank(2, 0, 1)
     st = ModelState.allocate(tiny, num_blocks=3, block_size=8, num_slots=5, dtype=torch.bfloat16)
+    st = to_fp8_kv_state(st) if kv else st
     total = 0
     for field in ("latent", "pooled", "kda", "conv", "tail"):
         t = shard_tensor(getattr(st, field), sharding.state_rule(field, tiny), ctx, field)
         total += t.numel() * t.element_size()
-    s = state_bytes(tiny, 2, 1, 8, "bfloat16")
+    s = state_bytes(tiny, 2, 1, 8, "bfloat16", kv_cache_dtype=kv)
     assert 3 * s.block + 5 * s.slot == total
 
 

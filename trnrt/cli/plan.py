@@ -23,6 +23,7 @@ def plan_cmd(
     context_length: Annotated[Optional[int], typer.Option("--context-length", help="Override the preset's max_model_len.")] = None,
     mtp: Annotated[Optional[bool], typer.Option("--mtp/--no-mtp", help="Count the MTP layer (default: when the preset speculates).")] = None,
     quantization: Annotated[Optional[str], typer.Option("--quantization", help="fp8: FP8 weights with 128x128 block scales (default: an FP8 checkpoint's own).")] = None,
+    kv_cache_dtype: Annotated[Optional[str], typer.Option("--kv-cache-dtype", help="fp8_e4m3: MLA latents and indexer keys in 1 byte.")] = None,
 ) -> None:
     """Print weight, state and capacity bytes per rank of a layout; exit 1 if it does not fit."""
     import dataclasses
@@ -47,7 +48,8 @@ def plan_cmd(
         if context_length:
             engine = dataclasses.replace(engine, max_model_len=context_length)
         dev = get_device(device)
-        p = check_fits(cfg, engine, tp_size, ep_size, device, mem_fraction_static, dtype, mtp, quantization)
+        p = check_fits(cfg, engine, tp_size, ep_size, device, mem_fraction_static, dtype, mtp, quantization,
+                       kv_cache_dtype)
         code = 0
     except PlanError as e:
         p, code = e.plan, 1

@@ -128,7 +128,8 @@ def build_engine(args: ServerArgs):
 
     check_serve_fits(model_dir, args.preset, tp=getattr(args, "tp_size", 1), ep=getattr(args, "ep_size", 1),
                      device="trn2" if args.backend == "neuron" else "cpu",
-                     mem_fraction_static=getattr(args, "mem_fraction_static", None), quantization=args.quantization)
+                     mem_fraction_static=getattr(args, "mem_fraction_static", None), quantization=args.quantization,
+                     kv_cache_dtype=args.kv_cache_dtype)
     engine = Engine.from_model_dir(model_dir, preset=args.preset, max_running_requests=args.max_running_requests,
                                    context_length=args.context_length, scheduler_config=cfgs.scheduler_config,
                                    served_model_name=args.served_model_name,

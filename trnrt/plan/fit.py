@@ -27,20 +27,21 @@ def _gb(n: int) -> str:
 
 def check_fits(cfg: Glm5NextConfig, engine: EngineConfig, tp: int = 1, ep: int = 1, device: str = "cpu",
                mem_fraction_static: float | None = None, dtype: str | None = None,
-               mtp: bool | None = None, quantization: str | None = None) -> Plan:
+               mtp: bool | None = None, quantization: str | None = None,
+               kv_cache_dtype: str | None = None) -> Plan:
     """The rank's Plan if it fits; else PlanError naming what does not fit and the smallest
     (tp, ep) that would (over the layouts that divide the dims, up to MAX_SEARCH_TP ranks),
     with how many devices of this kind it takes. mem_fraction_static None: SGLang's default for
     each tp; dtype None: the engine's; mtp None: on when the preset speculates; quantization
-    "fp8": FP8 weights (memory.weight_bytes)."""
+    "fp8": FP8 weights (memory.weight_bytes); kv_cache_dtype "fp8_e4m3": FP8 latents and keys."""
     dev = get_device(device)
     frac = mem_fraction_static if mem_fraction_static is not None else sglang_mem_fraction_static(tp)
-    p = plan(cfg, engine, tp, ep, dev.rank_bytes(tp), frac, dtype, mtp, quantization)
+    p = plan(cfg, engine, tp, ep, dev.rank_bytes(tp), frac, dtype, mtp, quantization, kv_cache_dtype)
     if p.fits:
         return p
     smallest = smallest_fitting_layout(cfg, engine, dev.rank_bytes,
                                        mem_fraction_static or sglang_mem_fraction_static, MAX_SEARCH_TP, dtype, mtp,
-                                       quantization)
+                                       quantization, kv_cache_dtype)
     why = (f"weights {_gb(p.weights.total)} per rank, activations {_gb(p.activation)}: "
            f"{_gb(p.state_pool)} left for state of the {_gb(int(frac * p.device_bytes))} static budget "
            f"(mem_fraction_static {frac:.2f} of {_gb(p.device_bytes)})")
@@ -81,7 +82,8 @@ def model_config(model_dir) -> tuple[Glm5NextConfig, bool]:
 
 
 def check_serve_fits(model_dir: str, preset: str | None, tp: int = 1, ep: int = 1, device: str = "cpu",
-                     mem_fraction_static: float | None = None, quantization: str | None = None) -> Plan:
+                     mem_fraction_static: float | None = None, quantization: str | None = None,
+                     kv_cache_dtype: str | None = None) -> Plan:
     """check_fits of a model directory's config under a preset (what `trnrt serve` runs before
     loading weights; an FP8 checkpoint or quantization "fp8" is planned with FP8 weights);
     PlanError if it does not fit."""
@@ -89,4 +91,4 @@ def check_serve_fits(model_dir: str, preset: str | None, tp: int = 1, ep: int = 
 
     cfg, fp8 = model_config(model_dir)
     return check_fits(cfg, load_preset(preset or "default"), tp, ep, device, mem_fraction_static,
-                      quantization=quantization or ("fp8" if fp8 else None))
+                      quantization=quantization or ("fp8" if fp8 else None), kv_cache_dtype=kv_cache_dtype)

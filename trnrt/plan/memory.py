@@ -139,10 +139,15 @@ class StateBytes:
         return self.block / self.block_size
 
 
+FP8_KV_FIELDS = ("latent", "pooled", "tail")  # what --kv-cache-dtype fp8_e4m3 stores in 1 byte (fp8/kv_cache.py)
+
+
 def state_bytes(cfg: Glm5NextConfig, tp: int, ep: int, block_size: int, dtype: str = "bfloat16",
-                mtp: bool = False) -> StateBytes:
+                mtp: bool = False, kv_cache_dtype: str | None = None) -> StateBytes:
     """Rank 0's state bytes per block and per slot, from ModelState.allocate on the meta device
-    (2 blocks, 2 slots) cut by `sharding.state_rule`."""
+    (2 blocks, 2 slots) cut by `sharding.state_rule`. kv_cache_dtype "fp8_e4m3": FP8_KV_FIELDS
+    at 1 byte an element."""
+    fp8_kv = kv_cache_dtype == "fp8_e4m3"
     ctx = ParallelContext.for_rank(tp, 0, ep)
     st = ModelState.allocate(cfg, num_blocks=2, block_size=block_size, num_slots=2,
                              dtype=_TORCH_DTYPE[dtype], device="meta", mtp=mtp)
@@ -154,7 +159,7 @@ def state_bytes(cfg: Glm5NextConfig, tp: int, ep: int, block_size: int, dtype: s
             if t is None:
                 continue
             shape = shard_shape(sharding.state_rule(field, cfg), tuple(t.shape), ctx, prefix + field)
-            n = t.element_size()
+            n = 1 if fp8_kv and field in FP8_KV_FIELDS else t.element_size()
             for d in shape:
                 n *= d
             if field in ("latent", "pooled"):
@@ -234,7 +239,7 @@ class Plan:
 
 def plan(cfg: Glm5NextConfig, engine: EngineConfig, tp: int, ep: int, device_bytes: int,
          mem_fraction_static: float, dtype: str | None = None, mtp: bool | None = None,
-         quantization: str | None = None) -> Plan:
+         quantization: str | None = None, kv_cache_dtype: str | None = None) -> Plan:
     """The memory plan of rank 0 (dtype: the engine's unless given; mtp: on when the preset has
     speculative steps unless given)."""
     if not 0.0 < mem_fraction_static <= 1.0:
@@ -242,7 +247,7 @@ def plan(cfg: Glm5NextConfig, engine: EngineConfig, tp: int, ep: int, device_byt
     sharding.check_layout(cfg, ParallelContext.for_rank(tp, 0, ep))  # names the dim first
     dtype = dtype or engine.dtype
     mtp = engine.speculative_num_steps > 0 if mtp is None else mtp
-    st = state_bytes(cfg, tp, ep, engine.block_size, dtype, mtp)
+    st = state_bytes(cfg, tp, ep, engine.block_size, dtype, mtp, kv_cache_dtype)
     return Plan(tp=tp, ep=ep, device_bytes=device_bytes, mem_fraction_static=mem_fraction_static,
                 weights=weight_bytes(cfg, tp, ep, dtype, mtp, quantization=quantization), state=st,
                 activation=activation_bytes(cfg, tp, step_tokens(engine), dtype),
@@ -270,14 +275,14 @@ def layouts(cfg: Glm5NextConfig, max_tp: int) -> list[tuple[int, int]]:
 def smallest_fitting_layout(cfg: Glm5NextConfig, engine: EngineConfig, device_bytes: int | Callable[[int], int],
                             mem_fraction_static: float | Callable[[int], float], max_tp: int,
                             dtype: str | None = None, mtp: bool | None = None,
-                            quantization: str | None = None) -> Plan | None:
+                            quantization: str | None = None, kv_cache_dtype: str | None = None) -> Plan | None:
     """The plan of the smallest (tp, ep) up to max_tp that fits, or None. mem_fraction_static:
     a fraction, or a function of tp (SGLang's default depends on it); device_bytes: per rank, or a
     function of tp (ranks sharing one host's memory)."""
     for tp, ep in layouts(cfg, max_tp):
         frac = mem_fraction_static(tp) if callable(mem_fraction_static) else mem_fraction_static
         dev = device_bytes(tp) if callable(device_bytes) else device_bytes
-        p = plan(cfg, engine, tp, ep, dev, frac, dtype, mtp, quantization)
+        p = plan(cfg, engine, tp, ep, dev, frac, dtype, mtp, quantization, kv_cache_dtype)
         if p.fits:
             return p
     return None
