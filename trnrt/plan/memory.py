@@ -9,11 +9,13 @@ what a rank actually holds:
   `shard_shape(rule_for(name), shape, ParallelContext.for_rank(tp, 0, ep))`; bytes per element
   4 for the parameters transformers keeps in fp32 (`weights.is_fp32_param`), else the model dtype.
   Rank 0 holds as much as any rank (every split is even).
+  FP8 (`quantization="fp8"`): the policy's weights at 1 byte plus a fp32 scale per 128 x 128 block.
 * state: `ModelState.allocate(..., device="meta")` (its `mtp` stack with `mtp`), each field cut by
   `sharding.state_rule`: per block (MLA latents, pooled indexer keys; replicated) and per slot
   (KDA recurrent state fp32 and conv window by head; indexer tail replicated).
+  `--kv-cache-dtype fp8_e4m3`: latents, pooled keys and tails at 1 byte.
 
-Budget of one rank (`Budget`, the formula docs/DEPLOY.md documents):
+Budget of one rank (`Plan`; the formula docs/DEPLOY.md documents):
 
     static     = mem_fraction_static * device_bytes          (weights + state pool, as SGLang)
     activation = step_tokens * act_bytes_per_token           (estimate, see activation_bytes)
