@@ -45,7 +45,7 @@ def _register() -> None:
     # Each module adds its commands to `app`; none imports torch at module level.
     import importlib
 
-    for name in ("make_tiny", "generate", "bench", "serve", "top", "compile", "verify"):
+    for name in ("make_tiny", "generate", "bench", "serve", "top", "compile", "verify", "plan"):
         try:
             importlib.import_module(f"trnrt.cli.{name}")
         except ModuleNotFoundError as e:  # a command not built yet is simply not listed

@@ -124,6 +124,12 @@ def build_engine(args: ServerArgs):
     else:
         loader = None if args.disable_compiled_cache else cached_loader(model_dir, args.preset, args.backend)
     cfgs = resolve_server_configs(args, compiled=loader is not None)
+    from trnrt.plan.fit import check_serve_fits  # refuse a layout that cannot fit before any weight loads
+
+    check_serve_fits(model_dir, args.preset, tp=getattr(args, "tp_size", 1), ep=getattr(args, "ep_size", 1),
+                     device="trn2" if args.backend == "neuron" else "cpu",
+                     mem_fraction_static=getattr(args, "mem_fraction_static", None), quantization=args.quantization,
+                     kv_cache_dtype=args.kv_cache_dtype)
     engine = Engine.from_model_dir(model_dir, preset=args.preset, max_running_requests=args.max_running_requests,
                                    context_length=args.context_length, scheduler_config=cfgs.scheduler_config,
                                    served_model_name=args.served_model_name,
