@@ -16,6 +16,8 @@ def make_tiny(
     seed: Annotated[int, typer.Option("--seed", help="Weight seed; the same seed gives byte-identical files.")] = 0,
     fp8: Annotated[bool, typer.Option("--fp8", help="Write the FP8 release layout: float8_e4m3fn weights with a "
                                       "weight_scale_inv per 128x128 block, quantized from the bf16 tiny weights.")] = False,
+    shards: Annotated[int, typer.Option("--shards", min=1, help="Write the weights as N safetensors shards "
+                                        "plus model.safetensors.index.json (the layout of large releases).")] = 1,
 ) -> None:
     """Write the tiny random-weight glm5_next checkpoint (config, weights, tokenizer, chat template)."""
     from rich.console import Console
@@ -27,6 +29,10 @@ def make_tiny(
     console = Console()
     try:
         path = (write_tiny_fp8_checkpoint if fp8 else write_tiny_checkpoint)(out_dir, seed=seed)
+        if shards > 1:
+            from trnrt.models.glm5_next.reshard import write_shards
+
+            write_shards(path, shards)
     except FileExistsError as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None

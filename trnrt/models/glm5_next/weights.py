@@ -85,6 +85,45 @@ def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def classify_key(key: str, num_hidden_layers: int, load_mtp: bool = False) -> tuple:
+    """What one checkpoint tensor name is, in the serving naming (either checkpoint naming):
+    ("skip", "vision" | "mtp"), ("expert", layer, expert, "gate_proj" | "up_proj" | "down_proj"),
+    ("conv", layer, "q" | "k" | "v"), or ("plain", serving_name, flatten) where flatten marks a
+    release A_log to reshape to [H]. The MTP layer keeps its `layers.{N}.` name here."""
+    n = num_hidden_layers
+    if key in ("lm_head.weight", "language_model.lm_head.weight"):
+        return ("plain", "lm_head.weight", False)
+    if _VISION.match(key):
+        return ("skip", "vision")
+    name = key
+    for p in _PREFIXES:
+        if name.startswith(p):
+            name = name[len(p):]
+            break
+    if name.startswith("decoder."):  # SGLang naming of the MTP layer
+        name = f"layers.{n}." + name[len("decoder."):]
+    elif name.startswith(_SGLANG_MTP_TOP):
+        name = f"layers.{n}." + name
+    m = re.match(r"layers\.(\d+)\.(.*)$", name)
+    if "shared_head." in name or (m and int(m.group(1)) >= n):
+        if not (load_mtp and m and int(m.group(1)) == n):
+            return ("skip", "mtp")
+    if not m:
+        return ("plain", name, False)
+    i, rest = int(m.group(1)), m.group(2)
+    e = re.match(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", rest)
+    if e:
+        return ("expert", i, int(e.group(1)), e.group(2))
+    c = re.match(r"self_attn\.([qkv])_conv1d\.weight$", rest)
+    if c:
+        return ("conv", i, c.group(1))
+    name = f"layers.{i}.{rest}"
+    for a, b in _RENAMES:
+        if a in "." + name and "forget_gate" not in name:
+            name = ("." + name).replace(a, b)[1:]
+    return ("plain", name, name.endswith("forget_gate.A_log"))
+
+
 def to_serving_names(
     raw: dict[str, torch.Tensor], cfg: Glm5NextConfig, load_mtp: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -96,43 +135,18 @@ def to_serving_names(
     convs: dict[tuple[int, str], torch.Tensor] = {}
     skipped_vision, skipped_mtp = 0, 0
     for key, t in raw.items():
-        if key in ("lm_head.weight", "language_model.lm_head.weight"):
-            out["lm_head.weight"] = t
-            continue
-        if _VISION.match(key):
-            skipped_vision += 1
-            continue
-        name = key
-        for p in _PREFIXES:
-            if name.startswith(p):
-                name = name[len(p):]
-                break
-        if name.startswith("decoder."):  # SGLang naming of the MTP layer
-            name = f"layers.{n}." + name[len("decoder."):]
-        elif name.startswith(_SGLANG_MTP_TOP):
-            name = f"layers.{n}." + name
-        m = re.match(r"layers\.(\d+)\.(.*)$", name)
-        if "shared_head." in name or (m and int(m.group(1)) >= n):
-            if not (load_mtp and m and int(m.group(1)) == n):
+        kind = classify_key(key, n, load_mtp)
+        if kind[0] == "skip":
+            if kind[1] == "vision":
+                skipped_vision += 1
+            else:
                 skipped_mtp += 1
-                continue
-        if m:
-            i, rest = int(m.group(1)), m.group(2)
-            e = re.match(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", rest)
-            if e:
-                experts[(i, int(e.group(1)), e.group(2))] = t
-                continue
-            c = re.match(r"self_attn\.([qkv])_conv1d\.weight$", rest)
-            if c:
-                convs[(i, c.group(1))] = t
-                continue
-            name = f"layers.{i}.{rest}"
-            for a, b in _RENAMES:
-                if a in "." + name and "forget_gate" not in name:
-                    name = ("." + name).replace(a, b)[1:]
-            if name.endswith("forget_gate.A_log"):
-                t = t.reshape(-1)  # release A_log may carry singleton dims
-        out[name] = t
+        elif kind[0] == "expert":
+            experts[(kind[1], kind[2], kind[3])] = t
+        elif kind[0] == "conv":
+            convs[(kind[1], kind[2])] = t
+        else:
+            out[kind[1]] = t.reshape(-1) if kind[2] else t  # release A_log may carry singleton dims
     if skipped_vision:
         # Every GLM-5.x release carries its vision tower: routine, not news at every start.
         log.debug("glm5_next: skipped %d vision-tower tensors", skipped_vision)

@@ -1,0 +1,182 @@
+"""Read one rank's shard of a glm5_next checkpoint as slices, never a whole tensor it does not own.
+
+`read_rank_state_dict(model_dir, cfg, ctx, load_mtp)` returns exactly what
+`sharding.shard_state_dict(weights.to_serving_names(weights.read_safetensors(d)), cfg, ctx)`
+returns (same names, shapes, dtypes as stored, bit-equal values), but every tensor is read
+through `safe_open(...).get_slice` for the blocks `sharding.rule_for` gives the rank:
+
+* the checkpoint's names (either naming) are mapped one key at a time by
+  `weights.classify_key`, the same mapping `to_serving_names` uses;
+* a serving tensor that the checkpoint stores whole is read as the rank's slices of it;
+* a merged serving tensor is read from its parts: `mlp.experts.gate_up_proj` [E, 2I, D] from the
+  per-expert `gate_proj` / `up_proj` of the experts the rank owns (EP) or of their I-slice (TP),
+  `mlp.experts.down_proj` [E, D, I] likewise, and `self_attn.conv1d.weight` [3*H*Dk, 1, K]
+  from the rank's heads of each of `q_conv1d` / `k_conv1d` / `v_conv1d`;
+* vision-tower (and unloaded MTP) tensors are skipped by name: never read.
+
+Each file is opened once (memory-mapped by safetensors; only the requested bytes are touched).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from trnrt.parallel.context import ParallelContext
+
+from .config import Glm5NextConfig
+from .sharding import iter_shards
+from .weights import CheckpointError, classify_key
+
+Index = tuple[slice, ...]
+
+
+def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
+    """Every tensor name of the checkpoint -> the file that holds it (index.json or *.safetensors)."""
+    from safetensors import safe_open
+
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        for name in sorted(set(weight_map.values())):
+            if not (d / name).exists():
+                raise CheckpointError(name, "shard listed in model.safetensors.index.json is missing")
+        return {k: d / v for k, v in weight_map.items()}
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(str(d), "no *.safetensors files in the checkpoint directory")
+    out: dict[str, Path] = {}
+    for p in files:
+        with safe_open(str(p), framework="pt") as f:
+            out.update({k: p for k in f.keys()})
+    return out
+
+
+def read_rank_state_dict(model_dir: str | Path, cfg: Glm5NextConfig, ctx: ParallelContext,
+                         load_mtp: bool = False) -> dict[str, torch.Tensor]:
+    """The rank's shard of the serving state dict, read as slices (see the module docstring)."""
+    from safetensors import safe_open
+
+    where = checkpoint_files(model_dir)
+    n = cfg.num_hidden_layers
+    plain: dict[str, str] = {}            # serving name -> checkpoint key
+    reshape_alog: set[str] = set()
+    experts: dict[tuple[int, int, str], str] = {}
+    convs: dict[tuple[int, str], str] = {}
+    for key in where:
+        kind = classify_key(key, n, load_mtp)
+        if kind[0] == "skip":
+            continue
+        if kind[0] == "expert":
+            experts[(kind[1], kind[2], kind[3])] = key
+        elif kind[0] == "conv":
+            convs[(kind[1], kind[2])] = key
+        else:
+            plain[kind[1]] = key
+            if kind[2]:
+                reshape_alog.add(kind[1])
+
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def sl(key: str):
+            p = where[key]
+            if p not in handles:
+                handles[p] = stack.enter_context(safe_open(str(p), framework="pt"))
+            return handles[p].get_slice(key)
+
+        shapes: dict[str, tuple[int, ...]] = {}
+        getters: dict[str, Callable[[Index], torch.Tensor]] = {}
+        for name, key in plain.items():
+            s = sl(key)
+            shape = tuple(s.get_shape())
+            if name in reshape_alog:  # release A_log may carry singleton dims: tiny, read whole
+                full = s[:].reshape(-1)
+                shapes[name], getters[name] = tuple(full.shape), full.__getitem__
+            else:
+                shapes[name], getters[name] = shape, (lambda idx, s=s: s[idx])
+        _add_experts(experts, sl, cfg, shapes, getters)
+        _add_convs(convs, sl, cfg, shapes, getters)
+        if load_mtp:
+            pre = f"layers.{n}."
+            rename = {k: "mtp." + k[len(pre):] for k in shapes if k.startswith(pre)}
+            shapes = {rename.get(k, k): v for k, v in shapes.items()}
+            getters = {rename.get(k, k): v for k, v in getters.items()}
+        return {name: t for name, t in iter_shards(shapes, lambda nm, idx: getters[nm](idx), cfg, ctx)}
+
+
+def _add_experts(experts, sl, cfg: Glm5NextConfig, shapes, getters) -> None:
+    """Lazy merged [E, 2I, D] gate_up and [E, D, I] down of every MoE layer from per-expert tensors."""
+    inter, dim, n_exp = cfg.moe_intermediate_size, cfg.hidden_size, cfg.n_routed_experts
+    for i in sorted({k[0] for k in experts}):
+        extra = {k[1] for k in experts if k[0] == i} - set(range(n_exp))
+        if extra:
+            raise CheckpointError(f"layers.{i}.mlp.experts.{min(extra)}.gate_proj.weight", "unexpected expert index")
+        parts: dict[tuple[int, str], object] = {}
+        for ex in range(n_exp):
+            for proj, want in (("gate_proj", (inter, dim)), ("up_proj", (inter, dim)), ("down_proj", (dim, inter))):
+                key = experts.get((i, ex, proj))
+                if key is None:
+                    raise CheckpointError(f"layers.{i}.mlp.experts.{ex}.{proj}.weight", "missing")
+                s = sl(key)
+                if tuple(s.get_shape()) != want:
+                    raise CheckpointError(key, f"shape {tuple(s.get_shape())}, expected {want}")
+                parts[(ex, proj)] = s
+
+        def gate_up(idx: Index, parts=parts) -> torch.Tensor:  # idx over [E, 2I, D]
+            e_sl, r_sl, d_sl = (tuple(idx) + (slice(None),) * 3)[:3]
+            rows = range(2 * inter)[r_sl]
+            out = []
+            for ex in range(n_exp)[e_sl]:
+                pieces = []
+                for proj, lo in (("gate_proj", 0), ("up_proj", inter)):
+                    a, b = max(rows.start, lo), min(rows.stop, lo + inter)
+                    if a < b:
+                        pieces.append(parts[(ex, proj)][a - lo:b - lo, d_sl])
+                out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0))
+            return torch.stack(out)  # [e, r, d]
+
+        def down(idx: Index, parts=parts) -> torch.Tensor:  # idx over [E, D, I]
+            e_sl, d_sl, i_sl = (tuple(idx) + (slice(None),) * 3)[:3]
+            return torch.stack([parts[(ex, "down_proj")][d_sl, i_sl] for ex in range(n_exp)[e_sl]])
+
+        shapes[f"layers.{i}.mlp.experts.gate_up_proj"] = (n_exp, 2 * inter, dim)
+        getters[f"layers.{i}.mlp.experts.gate_up_proj"] = gate_up
+        shapes[f"layers.{i}.mlp.experts.down_proj"] = (n_exp, dim, inter)
+        getters[f"layers.{i}.mlp.experts.down_proj"] = down
+
+
+def _add_convs(convs, sl, cfg: Glm5NextConfig, shapes, getters) -> None:
+    """Lazy concatenated depthwise conv [3*C, 1, K] of every KDA layer from its q/k/v convs [C, (1,) K]."""
+    c, k = cfg.linear_num_heads * cfg.linear_head_dim, cfg.linear_conv_kernel_dim
+    for i in sorted({key[0] for key in convs}):
+        parts = []
+        for which in "qkv":
+            key = convs.get((i, which))
+            if key is None:
+                raise CheckpointError(f"layers.{i}.self_attn.{which}_conv1d.weight", "missing")
+            s = sl(key)
+            shape = tuple(s.get_shape())
+            if shape not in ((c, 1, k), (c, k)):
+                raise CheckpointError(key, f"shape {shape}, expected {(c, 1, k)}")
+            parts.append((s, len(shape) == 2))
+
+        def conv(idx: Index, parts=parts) -> torch.Tensor:  # idx over [3C, 1, K]
+            r_sl, one_sl, k_sl = (tuple(idx) + (slice(None),) * 3)[:3]
+            rows = range(3 * c)[r_sl]
+            pieces = []
+            for p, (s, flat) in enumerate(parts):
+                a, b = max(rows.start, p * c), min(rows.stop, (p + 1) * c)
+                if a < b:
+                    t = s[a - p * c:b - p * c, k_sl].unsqueeze(1) if flat else s[a - p * c:b - p * c, :, k_sl]
+                    pieces.append(t[:, one_sl])
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
+
+        shapes[f"layers.{i}.self_attn.conv1d.weight"] = (3 * c, 1, k)
+        getters[f"layers.{i}.self_attn.conv1d.weight"] = conv
