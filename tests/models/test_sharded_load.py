@@ -93,10 +93,10 @@ def test_tp1_read_is_the_full_read(release_dir):
 def test_only_the_ranks_slices_are_read(release_dir, monkeypatch):
     """Every get_slice read is counted: no vision tensor is touched, and an EP 4 rank reads
     exactly a quarter of the routed experts' bytes."""
-    import safetensors
+    from trnrt.models.glm5_next import sharded_load
 
     reads: dict[str, int] = {}
-    real_open = safetensors.safe_open
+    real_open = sharded_load.SafetensorsFile
 
     class Counting:
         def __init__(self, *a, **k):
@@ -125,7 +125,7 @@ def test_only_the_ranks_slices_are_read(release_dir, monkeypatch):
                     return t
             return Slice()
 
-    monkeypatch.setattr(safetensors, "safe_open", Counting)
+    monkeypatch.setattr(sharded_load, "SafetensorsFile", Counting)
     cfg = _cfg(release_dir)
     read_rank_state_dict(release_dir, cfg, ParallelContext.for_rank(4, 1, 4), False)
     assert not [k for k in reads if ".visual." in k]
@@ -188,3 +188,28 @@ def test_rank_model_loads_from_the_sliced_read(release_dir):
     cfg = _cfg(release_dir)
     assert torch.equal(rank_model.read_rank_state_dict(release_dir, cfg, ctx, True)["embed_tokens.weight"],
                        read_rank_state_dict(release_dir, cfg, ctx, True)["embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("chunk", [8 << 20, 40])
+def test_pread_reader_equals_safetensors(tmp_path, monkeypatch, chunk):
+    """SafetensorsFile's slices equal safe_open's, whole rows and column cuts, in small chunks too."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from trnrt.models.glm5_next import safetensors_pread
+
+    monkeypatch.setattr(safetensors_pread, "CHUNK_BYTES", chunk)
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(7, 5, generator=g).to(torch.bfloat16), "b": torch.randn(3, 4, 6, generator=g),
+               "c": torch.randn(9, generator=g).to(torch.float8_e4m3fn), "d": torch.arange(12).reshape(4, 3)}
+    save_file(tensors, str(tmp_path / "x.safetensors"), metadata={"format": "pt"})
+    cuts = [(slice(0, 7),), (slice(2, 5), slice(1, 4)), (slice(0, 3), slice(1, 3), slice(2, 5)), (slice(3, 8),),
+            (slice(1, 3), slice(0, 3))]
+    with safetensors_pread.SafetensorsFile(tmp_path / "x.safetensors") as f, \
+            safe_open(str(tmp_path / "x.safetensors"), framework="pt") as ref:
+        assert sorted(f.keys()) == sorted(ref.keys()) and f.metadata() == {"format": "pt"}
+        for name, cut in zip("abbcd", cuts):
+            want = ref.get_slice(name)[cut]
+            got = f.get_slice(name)[cut]
+            assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))
+        assert torch.equal(f.get_slice("b")[:], tensors["b"])

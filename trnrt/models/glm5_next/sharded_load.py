@@ -3,7 +3,8 @@
 `read_rank_state_dict(model_dir, cfg, ctx, load_mtp)` returns exactly what
 `sharding.shard_state_dict(weights.to_serving_names(weights.read_safetensors(d)), cfg, ctx)`
 returns (same names, shapes, dtypes as stored, bit-equal values), but every tensor is read
-through `safe_open(...).get_slice` for the blocks `sharding.rule_for` gives the rank:
+through `get_slice` (safetensors' reading API, `safetensors_pread.SafetensorsFile`: pread into
+the rank's own buffers, not a memory map) for the blocks `sharding.rule_for` gives the rank:
 
 * the checkpoint's names (either naming) are mapped one key at a time by
   `weights.classify_key`, the same mapping `to_serving_names` uses;
@@ -14,7 +15,7 @@ through `safe_open(...).get_slice` for the blocks `sharding.rule_for` gives the 
   from the rank's heads of each of `q_conv1d` / `k_conv1d` / `v_conv1d`;
 * vision-tower (and unloaded MTP) tensors are skipped by name: never read.
 
-Each file is opened once (memory-mapped by safetensors; only the requested bytes are touched).
+Each file is opened once; only the requested bytes are read (a column slice in bounded chunks).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from trnrt.parallel.context import ParallelContext
 
 from .config import Glm5NextConfig
+from .safetensors_pread import SafetensorsFile
 from .sharding import iter_shards
 from .weights import CheckpointError, classify_key
 
@@ -37,8 +39,6 @@ Index = tuple[slice, ...]
 
 def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     """Every tensor name of the checkpoint -> the file that holds it (index.json or *.safetensors)."""
-    from safetensors import safe_open
-
     d = Path(model_dir)
     index = d / "model.safetensors.index.json"
     if index.exists():
@@ -53,7 +53,7 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
         raise CheckpointError(str(d), "no *.safetensors files in the checkpoint directory")
     out: dict[str, Path] = {}
     for p in files:
-        with safe_open(str(p), framework="pt") as f:
+        with SafetensorsFile(p) as f:
             out.update({k: p for k in f.keys()})
     return out
 
@@ -61,8 +61,6 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
 def read_rank_state_dict(model_dir: str | Path, cfg: Glm5NextConfig, ctx: ParallelContext,
                          load_mtp: bool = False) -> dict[str, torch.Tensor]:
     """The rank's shard of the serving state dict, read as slices (see the module docstring)."""
-    from safetensors import safe_open
-
     where = checkpoint_files(model_dir)
     n = cfg.num_hidden_layers
     plain: dict[str, str] = {}            # serving name -> checkpoint key
@@ -88,7 +86,7 @@ def read_rank_state_dict(model_dir: str | Path, cfg: Glm5NextConfig, ctx: Parall
         def sl(key: str):
             p = where[key]
             if p not in handles:
-                handles[p] = stack.enter_context(safe_open(str(p), framework="pt"))
+                handles[p] = stack.enter_context(SafetensorsFile(p))
             return handles[p].get_slice(key)
 
         shapes: dict[str, tuple[int, ...]] = {}
@@ -131,20 +129,29 @@ def _add_experts(experts, sl, cfg: Glm5NextConfig, shapes, getters) -> None:
 
         def gate_up(idx: Index, parts=parts) -> torch.Tensor:  # idx over [E, 2I, D]
             e_sl, r_sl, d_sl = (tuple(idx) + (slice(None),) * 3)[:3]
-            rows = range(2 * inter)[r_sl]
-            out = []
-            for ex in range(n_exp)[e_sl]:
-                pieces = []
+            rows, exps = range(2 * inter)[r_sl], range(n_exp)[e_sl]
+            out = None
+            for j, ex in enumerate(exps):  # each expert's rows read into its place: no stacked copy
+                at = 0
                 for proj, lo in (("gate_proj", 0), ("up_proj", inter)):
                     a, b = max(rows.start, lo), min(rows.stop, lo + inter)
                     if a < b:
-                        pieces.append(parts[(ex, proj)][a - lo:b - lo, d_sl])
-                out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0))
-            return torch.stack(out)  # [e, r, d]
+                        t = parts[(ex, proj)][a - lo:b - lo, d_sl]
+                        if out is None:
+                            out = torch.empty((len(exps), len(rows), t.shape[1]), dtype=t.dtype)
+                        out[j, at:at + (b - a)] = t
+                        at += b - a
+            return out  # [e, r, d]
 
         def down(idx: Index, parts=parts) -> torch.Tensor:  # idx over [E, D, I]
             e_sl, d_sl, i_sl = (tuple(idx) + (slice(None),) * 3)[:3]
-            return torch.stack([parts[(ex, "down_proj")][d_sl, i_sl] for ex in range(n_exp)[e_sl]])
+            out = None
+            for j, ex in enumerate(exps := range(n_exp)[e_sl]):
+                t = parts[(ex, "down_proj")][d_sl, i_sl]
+                if out is None:
+                    out = torch.empty((len(exps),) + tuple(t.shape), dtype=t.dtype)
+                out[j] = t
+            return out  # [e, d, i]
 
         shapes[f"layers.{i}.mlp.experts.gate_up_proj"] = (n_exp, 2 * inter, dim)
         getters[f"layers.{i}.mlp.experts.gate_up_proj"] = gate_up
