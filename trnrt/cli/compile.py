@@ -61,7 +61,7 @@ def compile_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Export and hash only; compile nothing.")] = False,
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Go on after a graph fails (exit 1 at the end).")] = False,
     only: Annotated[Optional[list[str]], typer.Option("--only", help="Compile only this graph id (repeatable).")] = None,
-    tp_size: Annotated[int, typer.Option("--tp-size", help="Tensor-parallel degree: compile the rank graphs of this layout (one program for every rank) into PRESET/BACKEND/tp{N}ep{M}/.")] = 1,
+    tp_size: Annotated[Optional[int], typer.Option("--tp-size", help="Tensor-parallel degree (default: the preset's tensor_parallel): compile the rank graphs of this layout (one program for every rank) into PRESET/BACKEND/tp{N}ep{M}/.")] = None,
     ep_size: Annotated[int, typer.Option("--ep-size", help="Expert-parallel degree (divides --tp-size).")] = 1,
 ) -> None:
     """Export, hash and compile every graph of a preset; reuse up-to-date artifacts.
@@ -77,9 +77,6 @@ def compile_cmd(
         err.print(f"[red]error:[/red] --backend must be one of {', '.join(BACKEND_CHOICES)}, got {backend!r}")
         raise typer.Exit(2)
     flags = selected_flags(structured_outputs, penalties, prompt_logprobs)
-    if tp_size < 1 or ep_size < 1 or tp_size % ep_size:
-        err.print(f"[red]error:[/red] --ep-size ({ep_size}) must divide --tp-size ({tp_size}), both >= 1")
-        raise typer.Exit(2)
 
     from trnrt.config.presets import PresetError, read_preset
 
@@ -87,6 +84,15 @@ def compile_cmd(
         p = read_preset(preset)
     except PresetError as e:
         err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2)
+
+    preset_tp = p.engine_config.tensor_parallel
+    if tp_size is not None and preset_tp > 1 and tp_size != preset_tp:
+        err.print(f"[red]error:[/red] --tp-size {tp_size} but the preset says tensor_parallel = {preset_tp}")
+        raise typer.Exit(2)
+    tp_size = tp_size if tp_size is not None else preset_tp
+    if tp_size < 1 or ep_size < 1 or tp_size % ep_size:
+        err.print(f"[red]error:[/red] --ep-size ({ep_size}) must divide --tp-size ({tp_size}), both >= 1")
         raise typer.Exit(2)
 
     from trnrt.compile.backends import get_backend
