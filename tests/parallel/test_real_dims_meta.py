@@ -123,3 +123,16 @@ def test_real_dims_export_on_meta(real_cfg, fake_world):
     assert ops["_c10d_functional.all_gather_into_tensor.default"] == 1
     assert ops["_c10d_functional.wait_tensor.default"] == sum(v for k, v in ops.items() if "_c10d_functional" in k
                                                               and "wait" not in k)
+
+
+def test_neuron_mapping_of_every_real_weight(real_cfg):
+    """compile.neuron_tp classifies every real-dims weight (pure Python; the NxD layers are untested)."""
+    from trnrt.compile.neuron_tp import COLUMN, EMBEDDING, GATHERED_HEAD, REPLICATED, ROW, nxd_kind
+    from trnrt.models.glm5_next.rank_meta import full_shapes
+
+    kinds = {k: nxd_kind(k, s, real_cfg) for k, s in full_shapes(real_cfg).items()}
+    assert kinds["embed_tokens.weight"] == EMBEDDING and kinds["lm_head.weight"] == GATHERED_HEAD
+    assert kinds["layers.0.self_attn.q_proj.weight"] == COLUMN and kinds["layers.0.self_attn.o_proj.weight"] == ROW
+    assert kinds["layers.3.mlp.shared_experts.down_proj.weight"] == ROW
+    assert kinds["layers.0.input_layernorm.weight"] == REPLICATED
+    assert kinds["layers.0.self_attn.conv1d.weight"] is None and kinds["layers.3.mlp.experts.gate_up_proj"] is None
