@@ -5,7 +5,7 @@ The released dims are `Glm5NextConfig.from_dict({})` (the transformers defaults;
 refused by name) and a few ranks: every tensor of the rank model's skeleton has exactly the shape
 `sharding` gives its shard, the decode state is the rank's (one KDA head), and one decode step
 of the default preset runs end to end on meta through the real step function (the collectives
-run on the fake group). The torch.export of that step on meta works too but takes ~40 s on a
+run on the fake group). The torch.export of that step on meta works too but takes ~30-50 s on a
 2-core box: TRNRT_REAL_DIMS_EXPORT=1 runs it (test_real_dims_export_on_meta).
 """
 
@@ -111,7 +111,7 @@ def _batch(spec, ec, cfg):
                          slot_ids=z(B)),)
 
 
-@pytest.mark.skipif(os.environ.get("TRNRT_REAL_DIMS_EXPORT") != "1", reason="~40 s: TRNRT_REAL_DIMS_EXPORT=1")
+@pytest.mark.skipif(os.environ.get("TRNRT_REAL_DIMS_EXPORT") != "1", reason="~30-50 s: TRNRT_REAL_DIMS_EXPORT=1")
 def test_real_dims_export_on_meta(real_cfg, fake_world):
     from trnrt.compile.export import export_spec
 
