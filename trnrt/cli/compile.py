@@ -61,6 +61,8 @@ def compile_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Export and hash only; compile nothing.")] = False,
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Go on after a graph fails (exit 1 at the end).")] = False,
     only: Annotated[Optional[list[str]], typer.Option("--only", help="Compile only this graph id (repeatable).")] = None,
+    tp_size: Annotated[Optional[int], typer.Option("--tp-size", help="Tensor-parallel degree (default: the preset's tensor_parallel): compile the rank graphs of this layout (one program for every rank) into PRESET/BACKEND/tp{N}ep{M}/.")] = None,
+    ep_size: Annotated[int, typer.Option("--ep-size", help="Expert-parallel degree (divides --tp-size).")] = 1,
 ) -> None:
     """Export, hash and compile every graph of a preset; reuse up-to-date artifacts.
 
@@ -84,6 +86,15 @@ def compile_cmd(
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2)
 
+    preset_tp = p.engine_config.tensor_parallel
+    if tp_size is not None and preset_tp > 1 and tp_size != preset_tp:
+        err.print(f"[red]error:[/red] --tp-size {tp_size} but the preset says tensor_parallel = {preset_tp}")
+        raise typer.Exit(2)
+    tp_size = tp_size if tp_size is not None else preset_tp
+    if tp_size < 1 or ep_size < 1 or tp_size % ep_size:
+        err.print(f"[red]error:[/red] --ep-size ({ep_size}) must divide --tp-size ({tp_size}), both >= 1")
+        raise typer.Exit(2)
+
     from trnrt.compile.backends import get_backend
     from trnrt.compile.catalogue import SpeculativeFlagError, UnknownVariantError, expand
 
@@ -104,9 +115,18 @@ def compile_cmd(
 
     from trnrt.compile.pipeline import CompileFailed, compile_graphs, load_model_and_state
 
+    parallel = None
     try:
         # The graphs are exported (and hashed) on the device they will run on.
-        mdl, state = load_model_and_state(model, cfg, device="cuda" if backend == "cuda" else "cpu")
+        device = "cuda" if backend == "cuda" else "cpu"
+        if tp_size > 1:  # rank 0's model on a fake world: its graphs are every rank's (compile.tp)
+            from trnrt.compile.tp import rank_model_and_state
+            from trnrt.parallel.fake import fake_context
+
+            parallel = fake_context(tp_size, ep_size)
+            mdl, state = rank_model_and_state(model, cfg, parallel, device=device)
+        else:
+            mdl, state = load_model_and_state(model, cfg, device=device)
     except (ValueError, OSError) as e:
         err.print(f"[red]error:[/red] --model: {e}")
         raise typer.Exit(2)
@@ -117,7 +137,8 @@ def compile_cmd(
 
         out = artifact_root(resolve_model_dir(model))
     n = len(only) if only else len(specs)
-    console.print(f"compile [bold]{p.name}[/bold] ({p.path}) backend [bold]{backend}[/bold], {n} graph(s)"
+    lay = f" tp {tp_size} ep {ep_size}" if tp_size > 1 else ""
+    console.print(f"compile [bold]{p.name}[/bold] ({p.path}) backend [bold]{backend}[/bold]{lay}, {n} graph(s)"
                   f"{', flags ' + '+'.join(flags) if flags else ''}{' (dry run)' if dry_run else ''}")
     started: dict[str, float] = {}
     id_width = max((len(s.graph_id) for s in specs), default=28)
@@ -139,7 +160,8 @@ def compile_cmd(
 
         try:
             manifest, art_dir = compile_graphs(mdl, state, cfg, backend=backend, out=out, flags=flags, dry_run=dry_run,
-                                               keep_going=keep_going, only=only, on_event=on_event)
+                                               keep_going=keep_going, only=only, on_event=on_event,
+                                               parallel=parallel)
         except CompileFailed as e:
             progress.stop()
             err.print(f"[red]error:[/red] {e}\nmanifest: {e.manifest_path}")

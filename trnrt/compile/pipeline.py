@@ -101,13 +101,19 @@ def _copy_entry(src_dir: Path, src: GraphEntry, art_dir: Path, gid: str) -> tupl
 def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConfig, *, backend: str,
                    out: Path, flags: Iterable[str] = (), dry_run: bool = False, keep_going: bool = False,
                    only: Iterable[str] | None = None,
-                   on_event: Callable[[Event], None] | None = None) -> tuple[Manifest, Path]:
+                   on_event: Callable[[Event], None] | None = None,
+                   parallel: Any = None) -> tuple[Manifest, Path]:
     """Compile every spec of expand(engine_config, flags) with `backend` into <out>/<preset>/<backend>.
 
     only: graph ids to restrict to (the others keep their manifest entries untouched).
     Returns the manifest and its directory. Raises CompileFailed on the first failure unless
     keep_going (then the failed entries have status "failed"; the manifest records them either way).
+    parallel: the ParallelContext the model was built for (None: TP=1). At TP>1 (compile.tp) the
+    graphs go to <out>/<preset>/<backend>/tp{N}ep{M}/ and their hashes cover the layout.
     """
+    from .tp import layout, layout_dir, layout_hash
+
+    tp = parallel is not None and parallel.tp_size > 1
     be = get_backend(backend)
     be.check_available()
     flags = sorted(set(flags))
@@ -119,6 +125,8 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
             raise ValueError(f"unknown graph id(s) {sorted(unknown)}; the preset has {[s.graph_id for s in specs]}")
         specs = [s for s in specs if s.graph_id in wanted]
     art_dir = artifact_dir(out, engine_config.preset, backend)
+    if tp:
+        art_dir = layout_dir(art_dir, parallel)
     old: Manifest | None = None
     if (art_dir / "manifest.json").is_file():
         try:
@@ -132,6 +140,8 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
     manifest = Manifest(preset=engine_config.preset, preset_sha256=phash, model_config_sha256=mhash, backend=backend,
                         flags=flags, engine_config=graph_settings(engine_config), versions=vers, compiler=opts,
                         code_digest=code_digest())
+    if tp:
+        manifest.engine_config = {**manifest.engine_config, "parallel": layout(parallel)}
     # Keep the entries of specs outside `only` from a compatible manifest of the same flag set.
     keep = {g.id: g for g in old.graphs} if (compatible and old is not None and old.flags == flags) else {}
     all_ids = [s.graph_id for s in expand(engine_config, flags)]
@@ -153,9 +163,10 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
             entry.inputs, entry.outputs, entry.export_s = eg.inputs, eg.outputs, round(eg.export_s, 3)
             emit(Event(i, len(specs), gid, "hash"))
             fp = fingerprint(eg.program)
-            entry.graph_hash = eg.graph_hash = fp.hash
-            fingerprint_cache.put(fingerprint_cache.key(phase_settings_hash(engine_config, spec.phase), model,
-                                                        engine_config.variants, gid), fp)
+            entry.graph_hash = eg.graph_hash = layout_hash(fp.hash, parallel) if tp else fp.hash
+            if not tp:  # the cache is keyed for TP=1 graphs (graph-equiv's locks)
+                fingerprint_cache.put(fingerprint_cache.key(phase_settings_hash(engine_config, spec.phase), model,
+                                                            engine_config.variants, gid), fp)
             prev = (old.entry(gid) if (old is not None and compatible) else None)
             if _reusable(prev, entry.graph_hash, art_dir, be):
                 entry = GraphEntry(**{**prev.__dict__, "reused": True, "export_s": entry.export_s})
@@ -163,7 +174,7 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
                 write()
                 emit(Event(i, len(specs), gid, "reused", entry))
                 continue
-            shared = None if dry_run or not be.produces_artifacts else \
+            shared = None if dry_run or tp or not be.produces_artifacts else \
                 _same_graph_elsewhere(out, be, art_dir, entry.graph_hash, mhash, vers, opts)
             if shared is not None:  # another preset compiled this very graph: copy, don't recompile
                 src_dir, src = shared
