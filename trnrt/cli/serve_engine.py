@@ -113,7 +113,13 @@ def build_engine(args: ServerArgs):
         typer.echo("trnrt serve: the engine (trnrt.engine.core.engine) is not available in this build", err=True)
         raise typer.Exit(1)
 
-    if args.compiled:
+    parallel = args.parallel_config()
+    if parallel.enabled:  # eager per rank (compiling per rank: issue #31 item 5)
+        if args.compiled:
+            raise typer.BadParameter("--tp-size > 1 runs eagerly; compiled graphs per rank are not built yet",
+                                     param_hint="--compiled")
+        loader = None
+    elif args.compiled:
         loader = compiled_loader(args.compiled, args.backend)
     else:
         loader = None if args.disable_compiled_cache else cached_loader(model_dir, args.preset, args.backend)
@@ -124,7 +130,8 @@ def build_engine(args: ServerArgs):
                                    compiled_loader=loader, compiled_backend=args.backend or "cpu",
                                    stream_interval=args.stream_interval, structured_outputs=args.structured_outputs,
                                    penalties=args.penalties, prompt_logprobs=args.prompt_logprobs,
-                                   speculative=cfgs.speculative, prefix_cache_config=cfgs.prefix_cache_config)
+                                   speculative=cfgs.speculative, prefix_cache_config=cfgs.prefix_cache_config,
+                                   parallel=parallel if parallel.enabled else None)
     return engine, tokenizer_factory
 
 
