@@ -84,7 +84,7 @@ class RankWatchdog:
         return self
 
     def _watch(self) -> None:
-        while not self.closing:
+        while not self.closing and self.procs:
             for rank, p in self.procs.items():
                 code = p.poll()
                 if code is not None and not self.closing:
@@ -97,7 +97,17 @@ class RankWatchdog:
                 p.kill()
 
     def fatal(self, message: str) -> None:
-        """Log, kill the other ranks and end this process with RANK_DIED_EXIT_CODE (no return)."""
+        """Log, kill the other ranks and end this process with RANK_DIED_EXIT_CODE (no return).
+        A broken channel usually means a rank died: the line names it when it was one of ours."""
+        if not message.startswith("tensor-parallel rank "):
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                dead = [(r, p) for r, p in self.procs.items() if p.poll() is not None]
+                if dead:
+                    r, p = dead[0]
+                    message = f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.returncode} ({message})"
+                    break
+                time.sleep(0.02)
         log.critical("%s; the engine stops and the server exits (code %d): restart it", message, RANK_DIED_EXIT_CODE)
         self.kill_all()
         for h in logging.getLogger().handlers:
@@ -150,7 +160,7 @@ def start_rank_zero(parallel: ParallelConfig, setup):
             log.debug("destroy_process_group", exc_info=True)
 
     return MirroredRunner(runner, channel, ctx, parallel=parallel, check_every=parallel.resolved_check_every(),
-                          on_fatal=watchdog.fatal, on_close=on_close, model_kind=model_kind())
+                          on_fatal=watchdog.fatal, on_close=on_close, model_kind=model_kind(), reports=reports)
 
 
 def run_node(parallel: ParallelConfig) -> int:

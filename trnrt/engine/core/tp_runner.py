@@ -35,6 +35,7 @@ from array import array
 log = logging.getLogger("trnrt.engine.core.tp")
 
 MIRRORED_CALLS = ("execute", "apply_cache_ops", "release", "allocate_cache_tiers", "warm_up", "flush_cache")
+HEARTBEAT_S = 1.0  # an idle rank 0 pings the ranks this often: a remote rank's death is seen within it
 
 
 class RankBroadcaster:
@@ -114,11 +115,13 @@ class MirroredRunner:
     """
 
     def __init__(self, runner, channel: RankBroadcaster, ctx, *, parallel, check_every: int, on_fatal, on_close=None,
-                 model_kind: str = "replicated"):
+                 model_kind: str = "replicated", reports: list | None = None):
         self.__dict__.update(_runner=runner, _channel=channel, _ctx=ctx, _parallel=parallel,
                              _check_every=check_every, _on_fatal=on_fatal, _on_close=on_close,
                              _lock=threading.Lock(), _digest=TokenDigest(), _closed=False, _model_kind=model_kind,
-                             _checks=0, _mismatches=0, _last_reports=[], _step_s=0.0)
+                             _checks=0, _mismatches=0, _last_reports=list(reports or []), _step_s=0.0,
+                             _last_send=time.monotonic())
+        threading.Thread(target=self._heartbeat, name="trnrt-tp-heartbeat", daemon=True).start()
 
     def __getattr__(self, name):  # only called for what this class does not define
         return getattr(self.__dict__["_runner"], name)
@@ -132,12 +135,32 @@ class MirroredRunner:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the tensor-parallel ranks are stopped")
-            try:
-                self._channel.send(op, *args)
-            except Exception as e:  # a rank is gone: nothing can run any more
-                self._on_fatal(f"broadcasting {op!r} to the tensor-parallel ranks failed: {e}")
-                raise
+            self._send(op, *args)
             return getattr(self._runner, op)(*args)
+
+    def _send(self, op: str, *args) -> None:  # under self._lock
+        try:
+            self._channel.send(op, *args)
+        except Exception as e:  # a rank is gone: nothing can run any more
+            self._on_fatal(f"broadcasting {op!r} to the tensor-parallel ranks failed: {e}")
+            raise
+        self.__dict__["_last_send"] = time.monotonic()
+
+    def _heartbeat(self) -> None:
+        """While the engine is idle, a 'ping' every HEARTBEAT_S: a send to a rank whose process
+        is gone fails at once (its sockets are closed), so a dead rank on another node ends the
+        engine within seconds even when no request comes (this node's ranks: the watchdog)."""
+        while not self._closed:
+            time.sleep(HEARTBEAT_S / 4)
+            if time.monotonic() - self._last_send < HEARTBEAT_S or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if not self._closed:
+                    self._send("ping")
+            except Exception:
+                return
+            finally:
+                self._lock.release()
 
     def execute(self, rows):
         t0 = time.perf_counter()
@@ -174,7 +197,7 @@ class MirroredRunner:
             if self._closed:
                 return not self._mismatches
             try:
-                self._channel.send("check")
+                self._send("check")
                 reports = self._channel.gather(rank_report(0, self._digest, self._ctx, self._channel))
             except Exception as e:
                 self._on_fatal(f"the tensor-parallel agreement check failed: {e}")
@@ -236,6 +259,8 @@ def serve_rank(runner, channel: RankBroadcaster, ctx, rank: int) -> int:
             return 0
         if op == "check":
             channel.gather(rank_report(rank, digest, ctx, channel))
+            continue
+        if op == "ping":
             continue
         if op not in MIRRORED_CALLS:
             raise RuntimeError(f"rank {rank}: unknown op {op!r} from rank 0")
