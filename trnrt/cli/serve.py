@@ -75,6 +75,12 @@ def serve(
     # Data parallelism
     dp: o.Dp = D.dp,
     router_policy: o.RouterPolicy = D.router_policy,
+    # Tensor and expert parallelism
+    tp_size: o.TpSize = D.tp_size,
+    ep_size: o.EpSize = D.ep_size,
+    nnodes: o.Nnodes = D.nnodes,
+    node_rank: o.NodeRank = D.node_rank,
+    dist_init_addr: o.DistInitAddr = D.dist_init_addr,
     # Sampling features (variant graphs)
     structured_outputs: o.StructuredOutputs = D.structured_outputs,
     penalties: o.Penalties = D.penalties,
@@ -116,6 +122,13 @@ def serve(
     from trnrt.cli import serve_engine  # by module: tests patch its start_engine / use_engine_process
     from trnrt.cli.server_configs import resolve_server_configs
 
+    parallel = args.parallel_config()
+    if parallel.node_rank > 0:  # another node of a multi-node group: its ranks only, no HTTP
+        from trnrt.engine.core.tp_launch import run_node
+
+        log.info("trnrt serve: node %d of %d, ranks %s, rendezvous at %s", parallel.node_rank, parallel.nnodes,
+                 list(parallel.node_ranks()), parallel.dist_init_addr)
+        raise typer.Exit(run_node(parallel))
     try:
         settings = resolve_server_configs(args).settings  # the flags checked before the model loads
         _check_port_free(args.host, args.port)  # before the model loads (seconds), not after
@@ -135,10 +148,15 @@ def serve(
 
     wsgi = create_app(engine, tokenizer_factory, settings)
     name = settings.served_model_name or engine.model_info.served_model_name
+    watch = None
+    if parallel.enabled:  # a dead rank ends the engine: answer 503, then exit non-zero
+        from trnrt.serve.engine_watch import EngineWatch
+
+        watch = EngineWatch(engine, wsgi).start()
     code = run(wsgi, engine, host=args.host, port=args.port, threads=args.threads,
                drain_timeout_s=args.drain_timeout_s,
                on_ready=lambda url: log.info("trnrt serve: ready at %s (model %s)", url, name))
-    raise typer.Exit(code)
+    raise typer.Exit(watch.exit_code or code if watch is not None else code)
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -117,7 +117,15 @@ def build_engine(args: ServerArgs):
     if args.compiled and fp8:
         raise typer.BadParameter("FP8 graphs are not compiled yet: serve --quantization fp8 / --kv-cache-dtype "
                                  "fp8_e4m3 eagerly (without --compiled)", param_hint="--quantization")
-    if args.compiled:
+    parallel = args.parallel_config()
+    if parallel.enabled:  # eager per rank (compiled TP graphs are built by trnrt compile, not loaded yet)
+        if args.compiled:
+            raise typer.BadParameter("--tp-size > 1 runs eagerly; compiled graphs per rank are not loaded yet",
+                                     param_hint="--compiled")
+        if fp8:
+            raise typer.BadParameter("--tp-size > 1 with FP8 is not wired yet", param_hint="--quantization")
+        loader = None
+    elif args.compiled:
         loader = compiled_loader(args.compiled, args.backend)
     elif fp8:  # the cache holds the default graphs of this checkpoint, not FP8 ones
         loader = None
@@ -137,7 +145,8 @@ def build_engine(args: ServerArgs):
                                    stream_interval=args.stream_interval, structured_outputs=args.structured_outputs,
                                    penalties=args.penalties, prompt_logprobs=args.prompt_logprobs,
                                    speculative=cfgs.speculative, prefix_cache_config=cfgs.prefix_cache_config,
-                                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                                   parallel=parallel if parallel.enabled else None)
     return engine, tokenizer_factory
 
 

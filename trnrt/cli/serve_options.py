@@ -21,6 +21,7 @@ RUNTIME = "Runtime options"
 LOGGING = "Logging"
 API = "API related"
 DATA_PARALLEL = "Data parallelism"
+PARALLEL = "Tensor and expert parallelism"
 FEATURES = "Sampling features (variant graphs)"
 SPECULATIVE = "Speculative decoding"
 PREFIX_CACHE = "Prefix cache"
@@ -93,6 +94,13 @@ ResponseStoreTtl = Annotated[float, _opt("--response-store-ttl", panel=API, help
 # -- Data parallelism ----------------------------------------------------------------------------
 Dp = Annotated[int, _opt("--dp", "--data-parallel-size", panel=DATA_PARALLEL, help="Run N engines (one model each, on 127.0.0.1) behind sglang-router on --host/--port (SGLang's flag; needs the router extra: `pip install -e '.[router]'` or `pip install sglang-router==0.3.2`). See docs/DEPLOY.md.", min=1)]
 RouterPolicy = Annotated[str, _opt("--router-policy", panel=DATA_PARALLEL, help="With --dp: the router's policy, cache_aware | round_robin | random | power_of_two | manual (manual: the X-SMG-Routing-Key header keeps a conversation on one engine).")]
+
+# Tensor and expert parallelism (trnrt.engine.core.tp_config; docs/DEPLOY.md)
+TpSize = Annotated[int, _opt("--tp-size", "--tp", "--tensor-parallel-size", panel=PARALLEL, help="Tensor-parallel ranks (SGLang's flag): N processes on this host (or over --nnodes); rank 0 serves HTTP and runs the scheduler, every rank runs each step (eager; gloo on the CPU). 1: one process, as without it.", min=1)]
+EpSize = Annotated[int, _opt("--ep-size", "--expert-parallel-size", panel=PARALLEL, help="Expert-parallel degree (SGLang's flag): the routed experts are owned whole by groups of ranks; must divide --tp-size.", min=1)]
+Nnodes = Annotated[int, _opt("--nnodes", panel=PARALLEL, help="Nodes the --tp-size ranks are spread over (SGLang's flag); each node runs `trnrt serve` with its --node-rank.", min=1)]
+NodeRank = Annotated[int, _opt("--node-rank", panel=PARALLEL, help="This node's rank among --nnodes (SGLang's flag): node 0 serves HTTP and holds rank 0; another node runs only its ranks.", min=0)]
+DistInitAddr = Annotated[Optional[str], _opt("--dist-init-addr", panel=PARALLEL, help="HOST:PORT of node 0's rendezvous (torch.distributed TCP store; SGLang's flag). Needed with --nnodes > 1; default on one node: 127.0.0.1 on a free port.", metavar="HOST:PORT")]
 
 # -- Sampling features (variant graphs) ----------------------------------------------------------
 StructuredOutputs = Annotated[bool, _opt("--structured-outputs", panel=FEATURES, help="Serve structured outputs (JSON schema, regex, EBNF, choice, structural tags; tool_choice required/named) with xgrammar: needs `pip install 'trnrt[grammar]'`, and with --compiled artifacts built with `trnrt compile --structured-outputs`.")]

@@ -93,6 +93,12 @@ class ServerArgs:
     # Data parallelism (trnrt.serve.dp)
     dp: int = 1
     router_policy: str = "cache_aware"
+    # Tensor and expert parallelism (trnrt.engine.core.tp_config.ParallelConfig)
+    tp_size: int = 1
+    ep_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     # Sampling features: each one the variant graphs of its name. Structured outputs (xgrammar);
     # penalties, logit_bias and min_tokens; prompt logprobs (completions echo + logprobs, vLLM
     # prompt_logprobs, SGLang logprob_start_len)
@@ -165,6 +171,18 @@ class ServerArgs:
         if self.max_queued_requests is None:
             return 2 * self.max_running_requests
         return self.max_running_requests + self.max_queued_requests + QUEUE_OVERFLOW_HEADROOM
+
+    def parallel_config(self):
+        """The ParallelConfig of --tp-size, --ep-size, --nnodes, --node-rank, --dist-init-addr
+        (typer.BadParameter naming the flag when they do not fit together)."""
+        from trnrt.engine.core.tp_config import ParallelConfig
+
+        try:
+            return ParallelConfig(tp_size=self.tp_size, ep_size=self.ep_size, nnodes=self.nnodes,
+                                  node_rank=self.node_rank, dist_init_addr=self.dist_init_addr)
+        except ValueError as e:
+            flag = str(e).split()[0] if str(e).startswith("--") else "--tp-size"
+            raise typer.BadParameter(str(e), param_hint=flag)
 
     def reported(self) -> dict:
         """The options /server_info reports (ServeSettings.server_args): every field but the keys."""

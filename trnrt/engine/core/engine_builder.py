@@ -72,6 +72,7 @@ class EngineBuilderMixin:
         drafter_factory=None,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        parallel=None,
     ) -> Self:
         """Load the checkpoint (None: the embedded tiny model) and start the engine thread.
 
@@ -101,6 +102,10 @@ class EngineBuilderMixin:
         stream_interval (SGLang's --stream-interval): a streamed request (GenerateRequest.stream)
         gets an output every `stream_interval` tokens (merged), and its final one; a non-streamed
         request gets its final output only.
+
+        parallel (trnrt.engine.core.tp_config.ParallelConfig; `trnrt serve --tp-size N`): with
+        tp_size > 1 this engine is rank 0: it starts the worker ranks and runs a MirroredRunner
+        (trnrt.engine.core.tp_runner), eagerly; tp_size 1 (or None) is the single-process path.
         """
         import torch
         from transformers import AutoTokenizer
@@ -123,34 +128,50 @@ class EngineBuilderMixin:
         speculative = preset_speculative(speculative, ecfg)
         check_speculative_flags(ecfg, ecfg.variants)
         dtype = getattr(torch, ecfg.dtype)
-        from trnrt.models.glm5_next.fp8.kv_dtype import resolve_kv_cache_dtype
+        if parallel is not None and parallel.enabled:
+            if compiled_loader is not None or drafter_factory is not None:
+                raise ValueError("--tp-size > 1 runs eagerly (compiled graphs per rank: issue #31 item 5)")
+            if quantization or kv_cache_dtype == "fp8_e4m3":
+                raise ValueError("--tp-size > 1 with FP8 (--quantization / --kv-cache-dtype fp8_e4m3) is not "
+                                 "wired yet: the rank model loads bf16 / fp32 weights")
+            from trnrt.engine.core.tp_build import RankSetup
+            from trnrt.engine.core.tp_launch import start_rank_zero
 
-        fp8_kv = resolve_kv_cache_dtype(kv_cache_dtype, dtype) == torch.float8_e4m3fn
-        if fp8_kv and compiled_loader is not None:
-            raise ValueError("kv_cache_dtype fp8_e4m3 runs eagerly: no compiled FP8-cache graphs yet")
-        model = load_model(path, dtype=dtype, device=device, load_mtp=speculative is not None,
-                           quantization=quantization)
-        mcfg = model.config
-        state = ModelState.allocate(mcfg, ecfg.num_blocks, ecfg.block_size, ecfg.num_slots, dtype, device,
-                                    mtp=speculative is not None)
-        if fp8_kv:
-            from trnrt.models.glm5_next.fp8.kv_cache import to_fp8_kv_state, use_fp8_kv_cache
-
-            use_fp8_kv_cache(model)
-            state = to_fp8_kv_state(state)
-        compiled = compiled_loader(model, state, ecfg) if compiled_loader is not None else None
-        if speculative is None:
-            runner = ModelRunner(model, state, ecfg, mcfg.vocab_size, compiled=compiled)
+            setup = RankSetup(str(path), ecfg, speculative.num_steps if speculative is not None else None, device)
+            runner = start_rank_zero(parallel, setup)  # torch threads resolved per rank there
+            model, compiled = runner.model, None
+            mcfg = model.config
+            if speculative is not None:
+                scfg = dataclasses.replace(scfg, num_speculative_tokens=speculative.num_steps)
         else:
-            from trnrt.engine.spec.runner import SpecModelRunner
+            from trnrt.models.glm5_next.fp8.kv_dtype import resolve_kv_cache_dtype
 
-            runner = SpecModelRunner(model, state, ecfg, mcfg.vocab_size, num_steps=speculative.num_steps,
-                                     drafter_factory=drafter_factory, compiled=compiled)
-            scfg = dataclasses.replace(scfg, num_speculative_tokens=speculative.num_steps)
-        # the engine thread's torch intra-op threads (resolved here, on the caller's thread, so a
-        # bad TRNRT_TORCH_THREADS fails before the engine starts; applied in _run)
-        runner.torch_threads = resolve_torch_threads(compiled_backend if compiled else "eager", device, None,
-                                                     count_params(model))[0]
+            fp8_kv = resolve_kv_cache_dtype(kv_cache_dtype, dtype) == torch.float8_e4m3fn
+            if fp8_kv and compiled_loader is not None:
+                raise ValueError("kv_cache_dtype fp8_e4m3 runs eagerly: no compiled FP8-cache graphs yet")
+            model = load_model(path, dtype=dtype, device=device, load_mtp=speculative is not None,
+                               quantization=quantization)
+            mcfg = model.config
+            state = ModelState.allocate(mcfg, ecfg.num_blocks, ecfg.block_size, ecfg.num_slots, dtype, device,
+                                        mtp=speculative is not None)
+            if fp8_kv:
+                from trnrt.models.glm5_next.fp8.kv_cache import to_fp8_kv_state, use_fp8_kv_cache
+
+                use_fp8_kv_cache(model)
+                state = to_fp8_kv_state(state)
+            compiled = compiled_loader(model, state, ecfg) if compiled_loader is not None else None
+            if speculative is None:
+                runner = ModelRunner(model, state, ecfg, mcfg.vocab_size, compiled=compiled)
+            else:
+                from trnrt.engine.spec.runner import SpecModelRunner
+
+                runner = SpecModelRunner(model, state, ecfg, mcfg.vocab_size, num_steps=speculative.num_steps,
+                                         drafter_factory=drafter_factory, compiled=compiled)
+                scfg = dataclasses.replace(scfg, num_speculative_tokens=speculative.num_steps)
+            # the engine thread's torch intra-op threads (resolved here, on the caller's thread, so a
+            # bad TRNRT_TORCH_THREADS fails before the engine starts; applied in _run)
+            runner.torch_threads = resolve_torch_threads(compiled_backend if compiled else "eager", device, None,
+                                                         count_params(model))[0]
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         if served_model_name is None:
             from trnrt.models.tiny import default_model_dir
@@ -172,6 +193,8 @@ class EngineBuilderMixin:
         engine = cls(runner, tokenizer, info, ecfg, scfg, start=start, stream_interval=stream_interval,
                      prefix_cache_config=prefix_cache_config)
         engine.speculative_config = speculative
+        if parallel is not None and parallel.enabled:
+            engine.stats_collector.set_section("parallel", runner.stats)
         if speculative is not None and speculative.min_accept_length > 0:
             engine.spec_policy = DynamicSpeculation(speculative.min_accept_length, speculative.probe_verifies,
                                                     speculative.probe_every,

@@ -118,6 +118,12 @@ class EngineLoopMixin:
             self._flush_turn()
         except Exception:  # best effort at exit
             log.exception("engine shutdown cleanup failed")
+        close = getattr(self.runner, "close", None)  # the tensor-parallel ranks stop with the engine thread
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                log.exception("closing the runner failed")
 
     def _drain_inbox(self) -> None:
         while True:

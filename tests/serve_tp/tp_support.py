@@ -1,0 +1,116 @@
+"""A real `trnrt serve --tp-size 2` subprocess as serve_support's Server, and what the serve
+suite's `any_server` tests read of an engine that lives in other processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from serve_support import Server, tok_dir, tokenizer, tokenizer_factory  # noqa: F401
+
+READY_TIMEOUT_S = 240  # two ranks load the model and torch on a loaded 2-core box
+
+
+@dataclass
+class _ModelInfo:
+    backend: str = "eager"
+
+
+class RemoteEngine:
+    """The part of an in-process engine the reused tests read (`model_info.backend`)."""
+
+    model_info = _ModelInfo()
+
+
+class RemoteApp:
+    """What `get_state(server.app).tokinfo().tokenizer` reads: the served model's tokenizer, here."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        from trnrt.models.tiny import default_model_dir
+        from trnrt.serve import hf_tokenizer_factory
+
+        tok = hf_tokenizer_factory(str(default_model_dir()))()
+        self.serve_state = SimpleNamespace(tokinfo=lambda: SimpleNamespace(tokenizer=tok))
+
+
+class ServeProcess:
+    """`trnrt serve ARGS --port 0` with its output collected (a reader thread keeps the pipe empty)."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        import threading
+
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trnrt", "serve", "--port", "0", *args], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "TRNRT_TORCH_THREADS": "1", **(env or {})})
+        self.url = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(READY_TIMEOUT_S) or self.url is None:
+            self.kill()
+            raise AssertionError("trnrt serve --tp-size did not become ready:\n" + self.output())
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            m = re.search(r"ready at (http://127\.0\.0\.1:\d+)", line)
+            if m and self.url is None:
+                self.url = m.group(1)
+                self._ready.set()
+        self._ready.set()
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def server(self) -> Server:
+        port = int(self.url.rsplit(":", 1)[1])
+        return Server(url=self.url, port=port, engine=RemoteEngine(), app=RemoteApp(), srv=self.proc)
+
+    def rank_pids(self) -> dict[int, int]:
+        """Worker ranks' pids from the start-up log ('tensor-parallel rank R started (pid P)')."""
+        return {int(r): int(p) for r, p in re.findall(r"tensor-parallel rank (\d+) started \(pid (\d+)\)", self.output())}
+
+    def wait(self, timeout_s: float) -> int:
+        return self.proc.wait(timeout=timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def stop(sp: ServeProcess, timeout_s: float = 30.0) -> int:
+    """SIGTERM (the graceful shutdown), then the exit status."""
+    import signal
+
+    if sp.proc.poll() is None:
+        sp.proc.send_signal(signal.SIGTERM)
+    try:
+        return sp.wait(timeout_s)
+    finally:
+        sp.kill()
+
+
+@pytest.fixture(scope="module")
+def tp_server():
+    """`trnrt serve --tp-size 2` on the embedded model, the agreement checked every step."""
+    sp = ServeProcess("--tp-size", "2", "--served-model-name", "trnrt-tiny", "--context-length", "1024",
+                      env={"TRNRT_TP_CHECK_EVERY": "1"})
+    try:
+        yield sp
+    finally:
+        stop(sp)
+
+
+@pytest.fixture(scope="module")
+def any_server(tp_server):
+    return tp_server.server()

@@ -1,0 +1,96 @@
+"""One rank's runner: the rank's model, its state and the ModelRunner (or SpecModelRunner) over
+them, built the same way on rank 0 and on every worker from one picklable RankSetup.
+
+The model is `trnrt.models.glm5_next.rank_model.load_rank_model(model_dir, dtype, ctx,
+load_mtp, device)` (the rank's shards; logits all-gathered to the full vocabulary) where that
+module exists; otherwise (`REPLICATED_FALLBACK`) every rank loads the whole TP=1 model, which
+runs the same steps and samples the same tokens on every rank: the process model, the broadcast,
+the agreement check and the death handling are then exercised without any sharding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+from trnrt.config import EngineConfig
+
+log = logging.getLogger("trnrt.engine.core.tp")
+
+RANK_MODEL_MODULE = "trnrt.models.glm5_next.rank_model"
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What every rank builds its runner from (rank 0 broadcasts it once, before loading).
+
+    spec_steps: k of speculative decoding (SpecModelRunner, the MTP layer loaded); None: plain.
+    """
+
+    model_dir: str
+    engine_config: EngineConfig
+    spec_steps: int | None = None
+    device: str = "cpu"
+
+
+def rank_model_available() -> bool:
+    """Whether the sharded rank-local model (issue #31 item 1's loader) is in this build."""
+    try:
+        return importlib.util.find_spec(RANK_MODEL_MODULE) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def model_kind() -> str:
+    """'sharded' (rank_model.load_rank_model) or 'replicated' (the whole model on every rank)."""
+    return "sharded" if rank_model_available() else "replicated"
+
+
+def load_rank(setup: RankSetup, ctx, dtype):
+    """The model of `ctx`'s rank (see the module doc)."""
+    load_mtp = setup.spec_steps is not None
+    if rank_model_available():
+        from trnrt.models.glm5_next.rank_model import load_rank_model
+
+        return load_rank_model(setup.model_dir, dtype, ctx, load_mtp=load_mtp, device=setup.device)
+    from trnrt.models.glm5_next.weights import load_model
+
+    return load_model(setup.model_dir, dtype=dtype, device=setup.device, load_mtp=load_mtp)
+
+
+def allocate_state(model, ecfg: EngineConfig, dtype, device: str, mtp: bool):
+    """The rank's ModelState: a rank model's own allocator (its local head counts), else
+    ModelState.allocate over the config, as at TP=1."""
+    if rank_model_available():
+        return model.allocate_state(ecfg.num_blocks, ecfg.block_size, ecfg.num_slots, mtp=mtp)
+    from trnrt.models.glm5_next.state import ModelState
+
+    return ModelState.allocate(model.config, ecfg.num_blocks, ecfg.block_size, ecfg.num_slots, dtype, device,
+                               mtp=mtp)
+
+
+def build_runner(setup: RankSetup, ctx, ranks_per_node: int = 1):
+    """The ModelRunner (SpecModelRunner with spec_steps) of `ctx`'s rank, eager (compiling per
+    rank is issue #31 item 5). Its torch threads: as at TP=1 (one for a small model), a default
+    share of the cores divided by the ranks on this node (an explicit $TRNRT_TORCH_THREADS is kept)."""
+    import torch
+
+    from trnrt.engine.runner.model_runner import ModelRunner
+    from trnrt.engine.runner.threads import count_params, resolve_torch_threads
+
+    ecfg = setup.engine_config
+    dtype = getattr(torch, ecfg.dtype)
+    model = load_rank(setup, ctx, dtype)
+    mtp = setup.spec_steps is not None
+    state = allocate_state(model, ecfg, dtype, setup.device, mtp)
+    vocab = model.config.vocab_size
+    if not mtp:
+        runner = ModelRunner(model, state, ecfg, vocab)
+    else:
+        from trnrt.engine.spec.runner import SpecModelRunner
+
+        runner = SpecModelRunner(model, state, ecfg, vocab, num_steps=setup.spec_steps)
+    n, source = resolve_torch_threads("eager", setup.device, None, count_params(model))
+    runner.torch_threads = max(1, n // ranks_per_node) if source == "default" else n
+    return runner
