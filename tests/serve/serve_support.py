@@ -159,6 +159,7 @@ class Server:
     engine: object
     app: object
     srv: object
+    thread: object = None  # the waitress loop thread (serve.server.start_in_thread)
 
     def client(self, **kw):
         import openai
@@ -209,21 +210,23 @@ class Server:
 
 def start_server(engine, tokenizer_factory, settings=None, threads=None) -> Server:
     from trnrt.serve import create_app
-    from trnrt.serve.server import make_server
+    from trnrt.serve.server import make_server, start_in_thread
 
     app = create_app(engine, tokenizer_factory, settings)
     srv = make_server(app, host="127.0.0.1", port=0, threads=threads)
-    threading.Thread(target=srv.run, name="waitress-test", daemon=True).start()
+    thread = start_in_thread(srv, "waitress-test")
     port = srv.effective_port
-    return Server(url=f"http://127.0.0.1:{port}", port=port, engine=engine, app=app, srv=srv)
+    return Server(url=f"http://127.0.0.1:{port}", port=port, engine=engine, app=app, srv=srv, thread=thread)
 
 
 def stop_server(server: Server) -> None:
     from trnrt.serve import get_state
 
     server.engine.shutdown(0.0)  # aborts what runs, so the workers finish their responses
+    from trnrt.serve.server import stop_in_thread
+
     get_state(server.app).wait_idle(5.0)
-    server.srv.close()
+    stop_in_thread(server.srv, server.thread)
 
 
 @pytest.fixture(scope="session")

@@ -73,6 +73,7 @@ class CachingEngine:
 def servers(tokenizer_factory):
     """(device tier only, hierarchical cache on) on one engine."""
     from trnrt.serve import ServeSettings, get_state
+    from trnrt.serve.server import stop_in_thread
 
     engine = make_scripted_engine(tokenizer_factory)
     fake = CachingEngine(engine)
@@ -83,7 +84,7 @@ def servers(tokenizer_factory):
     engine.shutdown(0.0)
     for s in (device, hicache):
         get_state(s.app).wait_idle(5.0)
-        s.srv.close()
+        stop_in_thread(s.srv, s.thread)
 
 
 def sse(text: str) -> list[dict]:

@@ -44,16 +44,15 @@ def _raw_request(port: int, data: bytes) -> tuple[int, dict | str]:
 def capped_server(tokenizer_factory):
     """A server whose per-client cap is small enough to reach cheaply."""
     from trnrt.serve import ServeSettings, create_app
-    from trnrt.serve.server import make_server
-    import threading
+    from trnrt.serve.server import make_server, start_in_thread, stop_in_thread
 
     engine = make_scripted_engine(tokenizer_factory)
     app = create_app(engine, tokenizer_factory, ServeSettings(served_model_name="trnrt-tiny", max_request_bytes=4096))
     srv = make_server(app, host="127.0.0.1", port=0, max_connections_per_client=40)
-    threading.Thread(target=srv.run, daemon=True).start()
+    thread = start_in_thread(srv)
     yield srv
     engine.shutdown(0.0)
-    srv.close()
+    stop_in_thread(srv, thread)
 
 
 def test_300_idle_connections_do_not_stop_health_or_requests(scripted_server):
@@ -133,3 +132,30 @@ def test_second_signal_aborts_in_flight_at_once(tok_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_stopping_a_threaded_server_leaves_nothing_that_writes_to_its_old_fds(tokenizer_factory):
+    """waitress' close() shuts the loop's wake-up pipe under live worker and loop threads; a late
+    trigger pull then writes b"x" to a reused fd number (seen in CI as `xHTTP/1.1 400` on another
+    server's fresh connection). stop_in_thread stops the workers and the loop before any fd closes."""
+    from trnrt.serve import ServeSettings, create_app
+    from trnrt.serve.server import make_server, start_in_thread, stop_in_thread
+
+    engine = make_scripted_engine(tokenizer_factory)
+    srv = make_server(create_app(engine, tokenizer_factory, ServeSettings(served_model_name="trnrt-tiny")),
+                      host="127.0.0.1", port=0)
+    thread = start_in_thread(srv, "waitress-stop-test")
+    status, _ = _raw_request(srv.effective_port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert status == 200
+    workers = list(srv.task_dispatcher.threads)
+    assert workers
+    idle = _connect(srv.effective_port)  # an open channel: the loop must close it itself
+    try:
+        engine.shutdown(0.0)
+        stop_in_thread(srv, thread)
+        assert not thread.is_alive()
+        assert not srv.task_dispatcher.threads
+        assert srv.trigger._closed and not srv._map
+        assert idle.recv(1) == b""  # the idle client sees its connection closed
+    finally:
+        idle.close()

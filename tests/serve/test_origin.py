@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from serve_support import make_scripted_engine
@@ -16,18 +14,18 @@ def bound_server(tokenizer_factory):
     """A server that knows its bind host (what `trnrt serve` sets), with one allowed origin."""
     from serve_support import Server
     from trnrt.serve import ServeSettings, create_app
-    from trnrt.serve.server import make_server
+    from trnrt.serve.server import make_server, start_in_thread, stop_in_thread
 
     engine = make_scripted_engine(tokenizer_factory)
     settings = ServeSettings(served_model_name="trnrt-tiny", bind_host="127.0.0.1",
                              allowed_origins=("http://dashboard.example:8080",))
     app = create_app(engine, tokenizer_factory, settings)
     srv = make_server(app, host="127.0.0.1", port=0)
-    threading.Thread(target=srv.run, daemon=True).start()
+    thread = start_in_thread(srv)
     yield Server(url=f"http://127.0.0.1:{srv.effective_port}", port=srv.effective_port, engine=engine, app=app,
-                 srv=srv)
+                 srv=srv, thread=thread)
     engine.shutdown(0.0)
-    srv.close()
+    stop_in_thread(srv, thread)
 
 
 @pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://127.0.0.1:1", "https://localhost"])

@@ -38,11 +38,12 @@ def sglang_503(message: str) -> dict:
 
 def stop_servers(engine, *servers) -> None:
     from trnrt.serve import get_state
+    from trnrt.serve.server import stop_in_thread
 
     engine.shutdown(0.0)
     for s in servers:
         get_state(s.app).wait_idle(5.0)
-        s.srv.close()
+        stop_in_thread(s.srv, s.thread)
 
 
 @pytest.fixture(scope="module")

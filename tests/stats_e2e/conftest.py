@@ -91,7 +91,7 @@ def real_server():
     from trnrt.engine.core.engine import Engine
     from trnrt.models.tiny import default_model_dir
     from trnrt.serve import ServeSettings, create_app, get_state, hf_tokenizer_factory
-    from trnrt.serve.server import make_server
+    from trnrt.serve.server import make_server, start_in_thread, stop_in_thread
 
     # As `trnrt serve --served-model-name trnrt-tiny --api-key ...` builds it: the name reaches the
     # engine too (the stats' model label), not only the HTTP layer.
@@ -100,9 +100,9 @@ def real_server():
     app = create_app(spy, hf_tokenizer_factory(engine.model_info.model_path),
                      ServeSettings(api_key=API_KEY, served_model_name="trnrt-tiny"))
     srv = make_server(app, host="127.0.0.1", port=0, threads=16)
-    threading.Thread(target=srv.run, name="waitress-stats-e2e", daemon=True).start()
+    thread = start_in_thread(srv, "waitress-stats-e2e")
     port = srv.effective_port
     yield RealServer(url=f"http://127.0.0.1:{port}", port=port, engine=spy, app=app, srv=srv)
     engine.shutdown(0.0)
     get_state(app).wait_idle(5.0)
-    srv.close()
+    stop_in_thread(srv, thread)

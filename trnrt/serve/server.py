@@ -29,6 +29,7 @@ import time
 import json
 import resource
 
+from waitress import wasyncore
 from waitress.channel import HTTPChannel
 from waitress.server import create_server
 from waitress.task import ErrorTask
@@ -169,6 +170,33 @@ def make_server(app, host: str = "127.0.0.1", port: int = 30000, threads: int | 
 
     server.handle_accept = handle_accept
     return server
+
+
+def start_in_thread(server, name: str = "trnrt-waitress") -> threading.Thread:
+    """Run `server`'s loop in a daemon thread (tests, embedding); stop it with `stop_in_thread`."""
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def stop_in_thread(server, thread: threading.Thread | None, timeout: float = 5.0) -> None:
+    """Stop a server started by `start_in_thread`: worker threads first, then the loop, then its fds.
+
+    waitress' own `close()` shuts the loop's wake-up pipe while the worker threads and the loop
+    thread still run. A worker that finishes a response afterwards pulls the trigger
+    (`os.write(fd, b"x")`) on a closed fd number which the process may have reused meanwhile, for
+    example for a socket that another server just accepted: that client then reads `xHTTP/1.1 ...`.
+    So: stop the workers, let the loop close every channel itself (an empty map ends the loop),
+    join it, and only then is nothing left that could write to the old fds.
+    """
+    server.task_dispatcher.shutdown(cancel_pending=True, timeout=timeout)
+    if thread is not None and thread.is_alive():
+        server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map))
+        thread.join(timeout)
+        if thread.is_alive():
+            log.warning("waitress loop thread %s did not stop within %.0f s", thread.name, timeout)
+            return  # closing the fds under a live loop is what this function avoids
+    server.close()
 
 
 class GracefulShutdown:
