@@ -119,32 +119,74 @@ def test_fp8_is_its_dequantized_bf16_model(dirs, models, tmp_path, report):
     assert (dec[0] - dec[1]).abs().max() < 2e-2
 
 
-def test_greedy_agreement_with_the_bf16_model(models, report):
-    ref, m = models
-    prompts = [tokens(100 + i, P) for i in range(PROMPTS)]
-    gen = _greedy(ref, prompts)  # the bf16 model's greedy continuations
+TRAIN_STEPS = 60  # `trnrt make-tiny --train-steps 60`: ~20 s on one thread
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The tiny model trained TRAIN_STEPS steps on its corpus (bf16 checkpoint) and the FP8
+    checkpoint quantized from exactly it (what `make-tiny --fp8 --train-steps` writes: the bf16
+    checkpoint, then convert_dir), loaded in bf16."""
+    from trnrt.models.glm5_next.fp8.checkpoint import convert_dir
+    from trnrt.models.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("fp8-trained")
+    bf16_dir = write_tiny_checkpoint(root / "bf16", train_steps=TRAIN_STEPS)
+    fp8_dir = root / "fp8"
+    shutil.copytree(bf16_dir, fp8_dir)
+    convert_dir(fp8_dir)
+    return load_model(bf16_dir, dtype=torch.bfloat16), load_model(fp8_dir, dtype=torch.bfloat16)
+
+
+def _agreement(ref, m, prompts: list[torch.Tensor]) -> tuple[float, float, float]:
+    """(greedy agreement, agreement where the bf16 top-2 gap > 0.1, mean |dlogprob| of the greedy
+    token) of `m` against `ref` over N greedy tokens of each prompt: the bf16 model's greedy
+    continuations, teacher-forced through both."""
+    gen = _greedy(ref, prompts)  # [PROMPTS, N] the bf16 model's greedy continuations
     agree = clear = clear_agree = 0
     dlp = []
-    for i in range(PROMPTS):
+    for i in range(len(prompts)):
         seq = torch.cat([prompts[i], gen[i]])
-        lr, l8 = _one_shot(ref, seq), _one_shot(m, seq)  # teacher-forced on the same tokens
-        agree += int((lr.argmax(-1) == l8.argmax(-1)).sum())
+        lr, l8 = _one_shot(ref, seq), _one_shot(m, seq)  # [N, V] teacher-forced on the same tokens
+        same = lr.argmax(-1) == l8.argmax(-1)
+        agree += int(same.sum())
         top = lr.topk(2, -1).values
         ok = (top[:, 0] - top[:, 1]) > 0.1  # positions whose bf16 top-2 gap exceeds the FP8 noise
         clear += int(ok.sum())
-        clear_agree += int((lr.argmax(-1) == l8.argmax(-1))[ok].sum())
+        clear_agree += int(same[ok].sum())
         pick = gen[i][:, None]
         dlp.append((lr.log_softmax(-1).gather(-1, pick) - l8.log_softmax(-1).gather(-1, pick)).abs().mean())
-    total = PROMPTS * N
-    report["fp8 vs bf16 greedy agreement (256 positions)"] = agree / total
-    report["fp8 vs bf16 agreement where the bf16 top-2 gap > 0.1"] = clear_agree / max(clear, 1)
-    report["fp8 vs bf16 mean |dlogprob| of the greedy token"] = float(torch.stack(dlp).mean())
-    # The tiny random model is flat: ~20 % of positions have top-2 logits within 0.05 of each
-    # other, where FP8's ~2.6 % weight error (bf16's: 0.17 %) flips the argmax. Measured: 89 %
-    # overall (bf16 rounding alone: 97 %), and >= 95 % where the gap is clear.
-    assert agree / total >= 0.85, agree / total
-    assert clear >= total // 2 and clear_agree / clear >= 0.95, (clear_agree, clear)
-    assert float(torch.stack(dlp).mean()) < 0.1
+    total = len(prompts) * N
+    return agree / total, clear_agree / max(clear, 1), float(torch.stack(dlp).mean())
+
+
+def test_greedy_agreement_with_the_bf16_model(trained, report):
+    """Issue #32's criterion, on a model that has favourites: the tiny model trained briefly on
+    its corpus, 8 corpus prompts x 32 greedy tokens = 256 positions, FP8 vs the bf16 model it was
+    quantized from: >= 95 % greedy agreement. (Measured at 60 steps: ~97 %, mean |dlogprob| ~0.03.)"""
+    from trnrt.models.tiny.tokenizer import build_tokenizer
+    from trnrt.models.tiny.train import corpus_ids
+
+    ids = corpus_ids(build_tokenizer())
+    prompts = [torch.tensor(ids[300 * i + 7: 300 * i + 7 + P]) for i in range(PROMPTS)]
+    agree, clear, dlp = _agreement(*trained, prompts)
+    report["trained tiny: fp8 vs bf16 greedy agreement (256 positions)"] = agree
+    report["trained tiny: fp8 vs bf16 mean |dlogprob| of the greedy token"] = dlp
+    assert agree >= 0.95, agree
+    assert dlp < 0.1, dlp
+
+
+def test_greedy_agreement_on_the_random_model(models, report):
+    """The random tiny model is flat (its own bf16 model matches its fp32 argmax on only ~97 %):
+    ~20 % of positions have top-2 logits within 0.05, where FP8's ~2.6 % weight error flips the
+    argmax. Reported, and >= 95 % required only where the bf16 top-2 gap is clear (> 0.1)."""
+    prompts = [tokens(100 + i, P) for i in range(PROMPTS)]
+    agree, clear, dlp = _agreement(*models, prompts)
+    report["random tiny: fp8 vs bf16 greedy agreement (256 positions)"] = agree
+    report["random tiny: fp8 vs bf16 agreement where the bf16 top-2 gap > 0.1"] = clear
+    report["random tiny: fp8 vs bf16 mean |dlogprob| of the greedy token"] = dlp
+    assert agree >= 0.85 and clear >= 0.95, (agree, clear)
+    assert dlp < 0.1
 
 
 def test_online_quantization_matches_the_fp8_checkpoint(dirs, models):

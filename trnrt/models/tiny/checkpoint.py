@@ -30,8 +30,11 @@ CHECKPOINT_FILES: tuple[str, ...] = (
 )
 
 
-def write_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+def write_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0, train_steps: int = 0) -> Path:
     """Write the tiny GLM-5.3-Flash checkpoint for `seed` into `out_dir`; return its path.
+
+    `train_steps` > 0 trains the random weights that many steps on the tiny corpus first
+    (trnrt.models.tiny.train: a model with clear favourites, for accuracy measurements).
 
     The files are written to a temporary sibling directory and renamed into place, so a reader
     never sees a half-written checkpoint. An existing empty `out_dir`, or an existing checkpoint
@@ -50,11 +53,16 @@ def write_tiny_checkpoint(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     os.mkdir(tmp)
     try:
-        ids = write_tokenizer_files(tmp, build_tokenizer())
+        tokenizer = build_tokenizer()
+        ids = write_tokenizer_files(tmp, tokenizer)
         stop_ids = [ids[s] for s in STOP_TOKENS]
         model = build_hf_model(
             seed, text_overrides={"pad_token_id": ids[PAD_TOKEN], "eos_token_id": stop_ids}
         )
+        if train_steps > 0:
+            from trnrt.models.tiny.train import corpus_ids, train_
+
+            train_(model, corpus_ids(tokenizer), train_steps, seed)
         # The multimodal placeholder ids default to the real vocabulary's (154854, ...): point them
         # at this tokenizer's tokens so the config never names an id outside the embedding.
         cfg = model.config

@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 
-def write_tiny_fp8_checkpoint(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+def write_tiny_fp8_checkpoint(out_dir: str | os.PathLike, seed: int = 0, train_steps: int = 0) -> Path:
     """Write the FP8 tiny checkpoint for `seed` into `out_dir` (replace rules and atomic rename
     as write_tiny_checkpoint); return its path."""
     from trnrt.models.glm5_next.fp8.checkpoint import convert_dir
@@ -26,7 +26,7 @@ def write_tiny_fp8_checkpoint(out_dir: str | os.PathLike, seed: int = 0) -> Path
     _check_replaceable(out)
     tmp = out.parent / f".{out.name}.fp8-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        write_tiny_checkpoint(tmp, seed=seed)
+        write_tiny_checkpoint(tmp, seed=seed, train_steps=train_steps)
         convert_dir(tmp)
         _replace_dir(tmp, out)
     except BaseException:
