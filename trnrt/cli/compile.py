@@ -55,7 +55,8 @@ def compile_cmd(
     structured_outputs: Annotated[bool, typer.Option("--structured-outputs", help="Also compile the structured-output variant graphs.")] = False,
     penalties: Annotated[bool, typer.Option("--penalties", help="Also compile the penalties variant graphs.")] = False,
     prompt_logprobs: Annotated[bool, typer.Option("--prompt-logprobs", help="Also compile the prompt-logprobs prefill graphs (every prompt position's logprob).")] = False,
-    model: Annotated[Optional[str], typer.Option("--model", help="Checkpoint directory (default: the embedded tiny model).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="Checkpoint directory (default: the embedded tiny model). An FP8 checkpoint compiles its FP8 graphs into PRESET/BACKEND/fp8/.")] = None,
+    quantization: Annotated[Optional[str], typer.Option("--quantization", help="fp8: compile the graphs of the checkpoint quantized per 128x128 block at load (what `trnrt serve --quantization fp8` runs), into PRESET/BACKEND/fp8/.")] = None,
     backend: Annotated[str, typer.Option("--backend", help="cpu (AOTInductor), cuda (CUDA graphs), neuron, or eager.")] = "cpu",
     out: Annotated[Optional[Path], typer.Option("--out", help="Artifact root; writes OUT/PRESET/BACKEND/manifest.json. Default: the artifact cache, where `trnrt serve` finds the graphs of this model and preset by itself.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Export and hash only; compile nothing.")] = False,
@@ -94,6 +95,13 @@ def compile_cmd(
     if tp_size < 1 or ep_size < 1 or tp_size % ep_size:
         err.print(f"[red]error:[/red] --ep-size ({ep_size}) must divide --tp-size ({tp_size}), both >= 1")
         raise typer.Exit(2)
+    if quantization not in (None, "fp8"):
+        err.print(f"[red]error:[/red] --quantization must be fp8 (or left out), got {quantization!r}")
+        raise typer.Exit(2)
+    if quantization and tp_size > 1:
+        err.print("[red]error:[/red] --quantization fp8 with --tp-size > 1 is not wired yet (the rank model loads "
+                  "bf16 / fp32 weights)")
+        raise typer.Exit(2)
 
     from trnrt.compile.backends import get_backend
     from trnrt.compile.catalogue import SpeculativeFlagError, UnknownVariantError, expand
@@ -126,7 +134,7 @@ def compile_cmd(
             parallel = fake_context(tp_size, ep_size)
             mdl, state = rank_model_and_state(model, cfg, parallel, device=device)
         else:
-            mdl, state = load_model_and_state(model, cfg, device=device)
+            mdl, state = load_model_and_state(model, cfg, device=device, quantization=quantization)
     except (ValueError, OSError) as e:
         err.print(f"[red]error:[/red] --model: {e}")
         raise typer.Exit(2)
@@ -137,7 +145,10 @@ def compile_cmd(
 
         out = artifact_root(resolve_model_dir(model))
     n = len(only) if only else len(specs)
-    lay = f" tp {tp_size} ep {ep_size}" if tp_size > 1 else ""
+    from trnrt.compile.manifest import quantization_of
+
+    quant = quantization_of(mdl)
+    lay = (f" tp {tp_size} ep {ep_size}" if tp_size > 1 else "") + (f", {quant} weights" if quant else "")
     console.print(f"compile [bold]{p.name}[/bold] ({p.path}) backend [bold]{backend}[/bold]{lay}, {n} graph(s)"
                   f"{', flags ' + '+'.join(flags) if flags else ''}{' (dry run)' if dry_run else ''}")
     started: dict[str, float] = {}

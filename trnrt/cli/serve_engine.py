@@ -114,9 +114,10 @@ def build_engine(args: ServerArgs):
         raise typer.Exit(1)
 
     fp8 = args.quantization or args.kv_cache_dtype == "fp8_e4m3"
-    if args.compiled and fp8:
-        raise typer.BadParameter("FP8 graphs are not compiled yet: serve --quantization fp8 / --kv-cache-dtype "
-                                 "fp8_e4m3 eagerly (without --compiled)", param_hint="--quantization")
+    fp8_kv = args.kv_cache_dtype == "fp8_e4m3"
+    if args.compiled and fp8_kv:  # FP8 weights compile (their own graphs); the FP8 cache's modules do not yet
+        raise typer.BadParameter("--kv-cache-dtype fp8_e4m3 runs eagerly: no compiled FP8-cache graphs yet "
+                                 "(serve it without --compiled)", param_hint="--kv-cache-dtype")
     parallel = args.parallel_config()
     if parallel.enabled:  # eager per rank (compiled TP graphs are built by trnrt compile, not loaded yet)
         if args.compiled:
@@ -127,10 +128,11 @@ def build_engine(args: ServerArgs):
         loader = None
     elif args.compiled:
         loader = compiled_loader(args.compiled, args.backend)
-    elif fp8:  # the cache holds the default graphs of this checkpoint, not FP8 ones
+    elif fp8_kv:  # no FP8-cache graphs are compiled
         loader = None
     else:
-        loader = None if args.disable_compiled_cache else cached_loader(model_dir, args.preset, args.backend)
+        loader = None if args.disable_compiled_cache else cached_loader(model_dir, args.preset, args.backend,
+                                                                        args.quantization)
     cfgs = resolve_server_configs(args, compiled=loader is not None)
     from trnrt.plan.fit import check_serve_fits  # refuse a layout that cannot fit before any weight loads
 
@@ -161,9 +163,10 @@ def compiled_loader(directory: str, backend: str | None):
     return loader
 
 
-def cached_loader(model_dir: str, preset: str | None, backend: str | None):
+def cached_loader(model_dir: str, preset: str | None, backend: str | None, quantization: str | None = None):
     """A compiled-graph loader over the artifact cache (`trnrt compile` without --out writes
-    there), or None when the cache holds nothing for this model, preset and backend. Artifacts
+    there), or None when the cache holds nothing for this model, preset and backend. An FP8 model
+    (an FP8 checkpoint, or `quantization="fp8"`) looks for its own graphs (`<backend>/fp8/`). Artifacts
     the loader refuses (another model config, preset settings, torch or graph code) are logged and
     the engine runs eagerly: a stale cache never stops a server."""
     from trnrt.compile.artifact_cache import cached_artifacts
@@ -173,11 +176,16 @@ def cached_loader(model_dir: str, preset: str | None, backend: str | None):
         preset = read_preset(preset or "default").name
     except PresetError:
         return None  # resolving the configs reports the preset
+    from trnrt.models.glm5_next.fp8.load import wants_fp8
+
     backend = backend or "cpu"
-    cached = cached_artifacts(model_dir, preset, backend)
+    quant = "fp8" if wants_fp8(model_dir, quantization) else None
+    cached = cached_artifacts(model_dir, preset, backend, quant)
     if cached is None:
-        log.info("no compiled graphs of preset %s (%s) in the artifact cache: running eagerly "
-                 "(`trnrt compile --preset %s` builds them once)", preset, backend, preset)
+        q = f" for {quant} weights" if quant else ""
+        log.info("no compiled graphs of preset %s (%s)%s in the artifact cache: running eagerly "
+                 "(`trnrt compile --preset %s%s` builds them once)", preset, backend, q, preset,
+                 " --quantization fp8" if quantization else "")
         return None
 
     def loader(model, state, engine_config):
@@ -189,7 +197,8 @@ def cached_loader(model_dir: str, preset: str | None, backend: str | None):
         except CompiledArtifactError as e:
             log.warning("compiled graphs in the artifact cache not used, running eagerly: %s", e)
             return {}
-        log.info("running the compiled graphs of preset %s from the artifact cache (%s)", preset, cached)
+        log.info("running the compiled graphs of preset %s%s from the artifact cache (%s)", preset,
+                 f" ({quant} weights)" if quant else "", cached)
         return graphs
 
     return loader

@@ -1,6 +1,7 @@
 """The compiled-artifact cache: where `trnrt compile` writes by default and `trnrt serve` looks.
 
-Layout: <cache>/compiled/<model key>/<preset>/<backend>/manifest.json, with <cache> trnrt's cache
+Layout: <cache>/compiled/<model key>/<preset>/<backend>/manifest.json (an FP8 model's graphs:
+<backend>/fp8/manifest.json, so `--quantization fp8` of a bf16 checkpoint has its own), with <cache> trnrt's cache
 root ($TRNRT_CACHE_DIR, else $XDG_CACHE_HOME/trnrt, else ~/.cache/trnrt) and the model key a hash
 of the checkpoint directory's resolved path. The key only finds a candidate: whether it may run is
 decided by the loader's own checks (model config, preset settings, flags, torch, graph hashes),
@@ -34,9 +35,13 @@ def artifact_root(model_dir: str | os.PathLike) -> Path:
     return cache_root() / model_key(model_dir)
 
 
-def cached_artifacts(model_dir: str | os.PathLike, preset: str, backend: str = "cpu") -> Path | None:
-    """The cached artifact directory of (model, preset name, backend) if one was written, else None.
+def cached_artifacts(model_dir: str | os.PathLike, preset: str, backend: str = "cpu",
+                     quantization: str | None = None) -> Path | None:
+    """The cached artifact directory of (model, preset name, backend, quantization: None or
+    "fp8") if one was written, else None.
 
     Only the manifest's presence is checked here; the loader validates it."""
-    d = artifact_root(model_dir) / preset / backend
+    from trnrt.compile.manifest import quantized_dir
+
+    d = quantized_dir(artifact_root(model_dir) / preset / backend, quantization)
     return d if (d / MANIFEST_NAME).is_file() else None

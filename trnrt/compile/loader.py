@@ -7,6 +7,11 @@ seconds per graph on the tiny model), which is what catches a model edit made af
 by default it runs only when the source of the graph-defining modules (manifest `code_digest`)
 or torch changed since the compile, so an unchanged tree starts fast and an edited one is checked
 graph by graph (an edit that leaves the graphs equal, such as a comment, is accepted).
+
+An FP8 model's artifacts are those of <dir>/<preset>/<backend>/fp8/ (found by itself), and the
+manifest's quantization and quantized-weight layout must be the model's: default (bf16 / fp32)
+artifacts are refused for an FP8 model and FP8 ones for a default model (reason "quantization"),
+whether or not the graph hashes are re-checked.
 """
 
 from __future__ import annotations
@@ -24,37 +29,44 @@ from .backends import get_backend
 from .catalogue import expand
 from .export import export_spec
 from .graph_hash import fingerprint
-from .manifest import MANIFEST_NAME, Manifest, code_digest, model_config_hash, versions
+from .manifest import (MANIFEST_NAME, Manifest, code_digest, model_config_hash, quantization_of, quantized_dir,
+                       quantized_weights_hash, versions)
 
 
 class CompiledArtifactError(ValueError):
     """A compiled artifact does not fit the model / preset / code. `reason` is one of
-    "missing", "model_config", "preset", "flags", "versions", "graph_hash", "graph_missing",
-    "graph_failed", "backend"."""
+    "missing", "model_config", "quantization", "preset", "flags", "versions", "graph_hash",
+    "graph_missing", "graph_failed", "backend"."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
 
 
-def find_manifest_dir(directory: str | Path, engine_config: EngineConfig, backend: str | None = None) -> Path:
+def find_manifest_dir(directory: str | Path, engine_config: EngineConfig, backend: str | None = None,
+                      quantization: str | None = None) -> Path:
     """The directory holding manifest.json: DIR itself, DIR/<preset>/<backend>, or the only
-    backend directory under DIR/<preset>."""
+    backend directory under DIR/<preset> (each with `/fp8` for quantization "fp8")."""
     d = Path(directory)
+    if quantization and (quantized_dir(d, quantization) / MANIFEST_NAME).is_file():
+        return quantized_dir(d, quantization)  # DIR is <preset>/<backend>
     if (d / MANIFEST_NAME).is_file():
         return d
     p = d / engine_config.preset
-    if backend and (p / backend / MANIFEST_NAME).is_file():
-        return p / backend
+    if backend and (quantized_dir(p / backend, quantization) / MANIFEST_NAME).is_file():
+        return quantized_dir(p / backend, quantization)
     if p.is_dir():
-        found = sorted(x for x in p.iterdir() if (x / MANIFEST_NAME).is_file())
+        found = sorted(quantized_dir(x, quantization) for x in p.iterdir()
+                       if (quantized_dir(x, quantization) / MANIFEST_NAME).is_file())
         if len(found) == 1:
             return found[0]
         if len(found) > 1:
             raise CompiledArtifactError("missing", f"{p} holds artifacts of several backends "
-                                        f"({', '.join(x.name for x in found)}): pass the backend directory")
-    raise CompiledArtifactError("missing", f"no {MANIFEST_NAME} in {d} or {p}/<backend>/ (run `trnrt compile "
-                                f"--preset {engine_config.preset} --out {d}` first)")
+                                        f"({', '.join(str(x.relative_to(p)) for x in found)}): pass the backend directory")
+    sub = f"{quantization}/" if quantization else ""
+    raise CompiledArtifactError("missing", f"no {MANIFEST_NAME} in {d} or {p}/<backend>/{sub} (run `trnrt compile "
+                                f"--preset {engine_config.preset} --out {d}` first"
+                                f"{' with this ' + quantization + ' model' if quantization else ''})")
 
 
 def load_compiled(directory: str | Path, model: torch.nn.Module, state: Any, engine_config: EngineConfig,
@@ -71,7 +83,8 @@ def load_compiled(directory: str | Path, model: torch.nn.Module, state: Any, eng
     differs from the compile's (a few seconds per graph); True always; False never.
     Raises CompiledArtifactError (reason says which check failed).
     """
-    mdir = find_manifest_dir(directory, engine_config, backend)
+    quant = quantization_of(model)
+    mdir = find_manifest_dir(directory, engine_config, backend, quant)
     man = Manifest.read(mdir)
     if backend is not None and man.backend != backend:
         raise CompiledArtifactError("backend", f"{mdir} holds {man.backend} artifacts, not {backend}")
@@ -80,6 +93,20 @@ def load_compiled(directory: str | Path, model: torch.nn.Module, state: Any, eng
         raise CompiledArtifactError(
             "model_config", f"refusing {mdir}: built from another model config "
             f"(artifact {man.model_config_sha256[:12]}, model {mh[:12]}); recompile with this --model")
+    if man.quantization != quant:
+        def name(q):
+            return f"{q} weights" if q else "default (unquantized) weights"
+
+        raise CompiledArtifactError(
+            "quantization", f"refusing {mdir}: compiled for a model with {name(man.quantization)}, the model "
+            f"has {name(quant)}; compile this model (`trnrt compile --model DIR"
+            f"{' [--quantization fp8]' if quant else ''}`)")
+    qh = quantized_weights_hash(model)
+    if man.quantized_weights_sha256 != qh:
+        raise CompiledArtifactError(
+            "quantization", f"refusing {mdir}: compiled for another {quant} weight layout (artifact "
+            f"{str(man.quantized_weights_sha256)[:12]}, model {str(qh)[:12]}: other linears in FP8 or another "
+            f"block size); recompile with this --model")
     ph = preset_hash(engine_config)
     if man.preset_sha256 != ph:
         now = graph_settings(engine_config)

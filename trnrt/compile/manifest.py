@@ -2,7 +2,10 @@
 
 One entry per graph spec (id, shapes and dtypes of inputs and outputs, graph hash, compile
 seconds, bytes, status, artifact file) plus what every entry depends on: the model config hash,
-the preset hash, the flags, the backend and the versions it was built with. `trnrt compile`
+the preset hash, the flags, the backend, the versions it was built with and, for a quantized
+model, its quantization ("fp8") and the layout of its quantized weights (`quantization_of`,
+`quantized_weights_hash`; None for the default bf16 / fp32 weights, so their manifests are
+unchanged). FP8 artifacts live under <out>/<preset>/<backend>/fp8/. `trnrt compile`
 reuses an entry whose inputs all match; `load_compiled` refuses one that does not.
 """
 
@@ -45,6 +48,43 @@ def model_config_dict(model_or_config: Any) -> dict:
 def model_config_hash(model_or_config: Any) -> str:
     """sha256 of the model config as canonical JSON."""
     return hashlib.sha256(canonical_json(model_config_dict(model_or_config))).hexdigest()
+
+
+FP8_DTYPE_NAMES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
+def _weight_tensors(model: Any):
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        return []
+    return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+
+
+def quantization_of(model: Any) -> str | None:
+    """"fp8" when the model holds FP8 weights (Fp8Linear / Fp8Experts swapped in by
+    glm5_next.loading), else None (the default bf16 / fp32 model: its graphs and manifests)."""
+    for _, t in _weight_tensors(model):
+        if str(t.dtype).removeprefix("torch.") in FP8_DTYPE_NAMES:
+            return "fp8"
+    return None
+
+
+def quantized_weights_hash(model: Any) -> str | None:
+    """sha256 of the (name, dtype, shape) of every weight of a quantized model (the MTP layer's
+    left out: a target graph never reads it, and a server may load it or not), so artifacts of
+    one FP8 layout are not bound to another (which linears are FP8, the block grid). None for an
+    unquantized model."""
+    if quantization_of(model) is None:
+        return None
+    rows = sorted((n, str(t.dtype), list(t.shape)) for n, t in _weight_tensors(model) if not n.startswith("mtp."))
+    return hashlib.sha256(canonical_json(rows)).hexdigest()
+
+
+def quantized_dir(art_dir: Path, quantization: str | None) -> Path:
+    """Where the artifacts of a `quantization` model go under <out>/<preset>/<backend>: a folder
+    of their own (`fp8/`), so they never overwrite or stand in for the default graphs."""
+    return Path(art_dir) / quantization if quantization else Path(art_dir)
 
 
 def file_sha256(path: Path) -> str:
@@ -90,6 +130,8 @@ class Manifest:
     schema: int = SCHEMA
     compiler: dict = field(default_factory=dict)
     code_digest: str = ""
+    quantization: str | None = None  # "fp8": built from an FP8 model (quantization_of); None: default weights
+    quantized_weights_sha256: str | None = None  # quantized_weights_hash of that model
 
     def entry(self, graph_id: str) -> GraphEntry | None:
         for g in self.graphs:
@@ -99,6 +141,9 @@ class Manifest:
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
+        for k in ("quantization", "quantized_weights_sha256"):  # a default model's manifest keeps its fields
+            if d[k] is None:
+                del d[k]
         return d
 
     @classmethod

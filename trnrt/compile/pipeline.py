@@ -4,6 +4,8 @@ An entry is reused (not recompiled) when its graph hash, the preset hash, the mo
 the backend, the versions and its artifact file (size and sha256) all still match: the graph
 hash is taken before compiling, so a changed model line recompiles exactly the graphs it reaches.
 The manifest is rewritten after every graph, so an interrupted run keeps what it finished.
+An FP8 model (manifest.quantization_of) compiles into <out>/<preset>/<backend>/fp8/: its graphs
+have hashes of their own (float8 weight placeholders), and its manifest records the quantization.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from .catalogue import expand
 from .export import export_spec
 from . import fingerprint_cache
 from .graph_hash import fingerprint
-from .manifest import GraphEntry, Manifest, code_digest, file_sha256, model_config_hash, versions
+from .manifest import (GraphEntry, Manifest, code_digest, file_sha256, model_config_hash, quantization_of,
+                       quantized_dir, quantized_weights_hash, versions)
 
 
-def artifact_dir(out: Path, preset: str, backend: str) -> Path:
-    return Path(out) / preset / backend
+def artifact_dir(out: Path, preset: str, backend: str, quantization: str | None = None) -> Path:
+    """<out>/<preset>/<backend>, and its `fp8/` folder for an FP8 model."""
+    return quantized_dir(Path(out) / preset / backend, quantization)
 
 
 @dataclass
@@ -64,10 +68,11 @@ def _reusable(old: GraphEntry | None, new_hash: str, art_dir: Path, backend: Bac
 
 
 def _same_graph_elsewhere(out: Path, backend: Backend, art_dir: Path, graph_hash: str, mhash: str, vers: dict,
-                          opts: dict) -> tuple[Path, GraphEntry] | None:
+                          opts: dict, quant: tuple = (None, None)) -> tuple[Path, GraphEntry] | None:
     """An up-to-date artifact of the same graph (equal hash) that another preset under `out`
-    compiled with this backend, model config, torch build / machine and compiler options."""
-    for man_path in sorted(Path(out).glob(f"*/{backend.name}/manifest.json")):
+    compiled with this backend, model config, quantization, torch build / machine and compiler options."""
+    sub = f"{quant[0]}/" if quant[0] else ""
+    for man_path in sorted(Path(out).glob(f"*/{backend.name}/{sub}manifest.json")):
         other = man_path.parent
         if other.resolve() == art_dir.resolve():
             continue
@@ -75,7 +80,8 @@ def _same_graph_elsewhere(out: Path, backend: Backend, art_dir: Path, graph_hash
             man = Manifest.read(other)
         except Exception:
             continue
-        if man.model_config_sha256 != mhash or man.versions != vers or man.compiler != opts:
+        if man.model_config_sha256 != mhash or man.versions != vers or man.compiler != opts or \
+                (man.quantization, man.quantized_weights_sha256) != quant:
             continue
         for g in man.graphs:
             if g.graph_hash == graph_hash and g.status == "ok" and _reusable(g, graph_hash, other, backend):
@@ -124,7 +130,8 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
         if unknown:
             raise ValueError(f"unknown graph id(s) {sorted(unknown)}; the preset has {[s.graph_id for s in specs]}")
         specs = [s for s in specs if s.graph_id in wanted]
-    art_dir = artifact_dir(out, engine_config.preset, backend)
+    quant = (quantization_of(model), quantized_weights_hash(model))
+    art_dir = artifact_dir(out, engine_config.preset, backend, quant[0])
     if tp:
         art_dir = layout_dir(art_dir, parallel)
     old: Manifest | None = None
@@ -136,10 +143,11 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
     mhash, phash, vers = model_config_hash(model), preset_hash(engine_config), versions()
     opts = compiler_options(engine_config, backend)
     compatible = old is not None and old.model_config_sha256 == mhash and old.preset_sha256 == phash and \
-        old.versions == vers and old.backend == backend and old.compiler == opts
+        old.versions == vers and old.backend == backend and old.compiler == opts and \
+        (old.quantization, old.quantized_weights_sha256) == quant
     manifest = Manifest(preset=engine_config.preset, preset_sha256=phash, model_config_sha256=mhash, backend=backend,
                         flags=flags, engine_config=graph_settings(engine_config), versions=vers, compiler=opts,
-                        code_digest=code_digest())
+                        code_digest=code_digest(), quantization=quant[0], quantized_weights_sha256=quant[1])
     if tp:
         manifest.engine_config = {**manifest.engine_config, "parallel": layout(parallel)}
     # Keep the entries of specs outside `only` from a compatible manifest of the same flag set.
@@ -164,7 +172,7 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
             emit(Event(i, len(specs), gid, "hash"))
             fp = fingerprint(eg.program)
             entry.graph_hash = eg.graph_hash = layout_hash(fp.hash, parallel) if tp else fp.hash
-            if not tp:  # the cache is keyed for TP=1 graphs (graph-equiv's locks)
+            if not tp and quant[0] is None:  # the cache is keyed for TP=1 default graphs (graph-equiv's locks)
                 fingerprint_cache.put(fingerprint_cache.key(phase_settings_hash(engine_config, spec.phase), model,
                                                             engine_config.variants, gid), fp)
             prev = (old.entry(gid) if (old is not None and compatible) else None)
@@ -175,7 +183,7 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
                 emit(Event(i, len(specs), gid, "reused", entry))
                 continue
             shared = None if dry_run or tp or not be.produces_artifacts else \
-                _same_graph_elsewhere(out, be, art_dir, entry.graph_hash, mhash, vers, opts)
+                _same_graph_elsewhere(out, be, art_dir, entry.graph_hash, mhash, vers, opts, quant)
             if shared is not None:  # another preset compiled this very graph: copy, don't recompile
                 src_dir, src = shared
                 entry.files, entry.artifact = _copy_entry(src_dir, src, art_dir, gid)
@@ -214,15 +222,18 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
     return manifest, art_dir
 
 
-def load_model_and_state(model_dir: str | Path | None, engine_config: EngineConfig, device: str = "cpu"):
-    """The serving model from `model_dir` (None: the embedded tiny checkpoint) and fresh state."""
-    from trnrt.models.glm5_next.weights import load_model
+def load_model_and_state(model_dir: str | Path | None, engine_config: EngineConfig, device: str = "cpu",
+                         quantization: str | None = None):
+    """The serving model from `model_dir` (None: the embedded tiny checkpoint) and fresh state,
+    loaded as the engine loads it (glm5_next.loading: an FP8 checkpoint, or quantization="fp8",
+    gives the FP8 model; anything else weights.load_model's)."""
+    from trnrt.models.glm5_next.loading import load_model
     from trnrt.models.paths import resolve_model_dir
 
     d = resolve_model_dir(model_dir)
     dtype = getattr(torch, engine_config.dtype)
     spec = engine_config.speculative_num_steps > 0  # the draft graphs read the MTP layer and its stack
-    model = load_model(d, dtype=dtype, device=device, load_mtp=spec)
+    model = load_model(d, dtype=dtype, device=device, load_mtp=spec, quantization=quantization)
     state = model.allocate_state(engine_config.num_blocks, engine_config.block_size, engine_config.num_slots,
                                  mtp=spec)
     # (allocate_state follows the model's dtype and device)

@@ -90,8 +90,9 @@ class EngineBuilderMixin:
         `preset`, `max_running_requests` and `context_length`: see `resolve_configs`.
 
         quantization ("fp8" or None; `trnrt serve --quantization`): quantize a bf16 checkpoint's
-        weights per 128x128 block at load; an FP8 checkpoint is FP8 without it (eager graphs:
-        compiled FP8 graphs are not built yet). kv_cache_dtype (`--kv-cache-dtype`, checked by
+        weights per 128x128 block at load; an FP8 checkpoint is FP8 without it (compiled: the
+        FP8 graphs `trnrt compile` builds for that model, which the loader tells from the default
+        ones by the manifest's quantization). kv_cache_dtype (`--kv-cache-dtype`, checked by
         trnrt.models.glm5_next.fp8.kv_dtype): auto / bf16 = the model's dtype; fp8_e4m3: the MLA
         latent and indexer key caches in float8_e4m3fn (fp8/kv_cache.py; eager).
 

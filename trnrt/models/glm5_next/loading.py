@@ -1,5 +1,5 @@
-"""The one entry point that loads glm5_next, bf16 / fp32 or FP8 (what the engine calls;
-`trnrt compile` and trnrt.models.load_model keep weights.load_model: FP8 graphs are not compiled yet).
+"""The one entry point that loads glm5_next, bf16 / fp32 or FP8 (what the engine and `trnrt compile`
+call, so an FP8 checkpoint compiles the FP8 graphs it serves; trnrt.models.load_model keeps weights.load_model).
 
 A checkpoint without `quantization_config`, and no `quantization`: weights.load_model, unchanged.
 An FP8 checkpoint, or `quantization="fp8"`: fp8.load.load_fp8_model (the FP8 path imports the
