@@ -93,20 +93,18 @@ def load_compiled(directory: str | Path, model: torch.nn.Module, state: Any, eng
         raise CompiledArtifactError(
             "model_config", f"refusing {mdir}: built from another model config "
             f"(artifact {man.model_config_sha256[:12]}, model {mh[:12]}); recompile with this --model")
-    if man.quantization != quant:
+    qh = quantized_weights_hash(model)
+    if (man.quantization, man.quantized_weights_sha256) != (quant, qh):
         def name(q):
             return f"{q} weights" if q else "default (unquantized) weights"
 
+        why = (f"compiled for a model with {name(man.quantization)}, the model has {name(quant)}"
+               if man.quantization != quant else
+               f"compiled for another {quant} weight layout (artifact {str(man.quantized_weights_sha256)[:12]}, "
+               f"model {str(qh)[:12]}: other linears in FP8 or another block size)")
         raise CompiledArtifactError(
-            "quantization", f"refusing {mdir}: compiled for a model with {name(man.quantization)}, the model "
-            f"has {name(quant)}; compile this model (`trnrt compile --model DIR"
+            "quantization", f"refusing {mdir}: {why}; compile this model (`trnrt compile --model DIR"
             f"{' [--quantization fp8]' if quant else ''}`)")
-    qh = quantized_weights_hash(model)
-    if man.quantized_weights_sha256 != qh:
-        raise CompiledArtifactError(
-            "quantization", f"refusing {mdir}: compiled for another {quant} weight layout (artifact "
-            f"{str(man.quantized_weights_sha256)[:12]}, model {str(qh)[:12]}: other linears in FP8 or another "
-            f"block size); recompile with this --model")
     ph = preset_hash(engine_config)
     if man.preset_sha256 != ph:
         now = graph_settings(engine_config)
