@@ -106,3 +106,15 @@ def test_fp8_checkpoint_compiles_and_serves_its_own_graphs(tmp_path, monkeypatch
         engine.shutdown()
     assert got == reference
     assert decodes >= len(prompts) * (n_out - 1) and calls[0] - warm == decodes, (calls, warm, decodes)
+
+    # `trnrt serve --compiled DIR` with the FP8 checkpoint is no longer refused: it goes to the
+    # loader, which finds DIR/default/cpu/fp8 (and wants every graph of the preset, not one).
+    from trnrt.cli.serve_engine import build_engine
+    from trnrt.cli.server_args import ServerArgs
+
+    try:
+        build_engine(ServerArgs(model=str(fp8_dir), preset="default", compiled=str(artifact_root(fp8_dir))))
+    except CompiledArtifactError as e:
+        assert e.reason == "graph_missing" and str(fp8_art) in str(e), e
+    else:
+        raise AssertionError("a preset with one compiled graph of ten was accepted")
