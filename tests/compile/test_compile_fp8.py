@@ -64,11 +64,21 @@ def test_fp8_checkpoint_compiles_and_serves_its_own_graphs(tmp_path, monkeypatch
     assert bf16_man.quantization is None and "quantization" not in bf16_man.to_json()
     assert bf16_man.entry(GRAPH).graph_hash == lock
 
+    # FP8 weights and an FP8 KV cache (--kv-cache-dtype fp8_e4m3): graphs and a folder of their own.
+    _compile("--model", str(fp8_dir), "--kv-cache-dtype", "fp8_e4m3", "--dry-run")
+    kv_man = Manifest.read(cached_artifacts(fp8_dir, "default", "cpu", "fp8+kv_fp8"))
+    assert kv_man.quantization == "fp8+kv_fp8" and kv_man.entry(GRAPH).graph_hash not in (lock, entry.graph_hash)
+
+    from trnrt.models.glm5_next.fp8.kv_cache import to_fp8_kv_state, use_fp8_kv_cache
+
     dtype = getattr(torch, cfg.dtype)
     fp8_model, bf16_model = load_model(fp8_dir, dtype=dtype), load_model(tiny_dir, dtype=dtype)
+    kv_model = load_model(fp8_dir, dtype=dtype)
+    use_fp8_kv_cache(kv_model)
     assert model_config_hash(fp8_model) == model_config_hash(bf16_model)  # only the quantization tells them apart
-    for art, model in ((bf16_art, fp8_model), (fp8_art, bf16_model)):
+    for art, model in ((bf16_art, fp8_model), (fp8_art, bf16_model), (fp8_art, kv_model)):
         state = model.allocate_state(cfg.num_blocks, cfg.block_size, cfg.num_slots)
+        state = to_fp8_kv_state(state) if model is kv_model else state
         try:
             load_compiled(art, model, state, cfg, specs=[spec], check_graphs=False)
         except CompiledArtifactError as e:

@@ -57,6 +57,7 @@ def compile_cmd(
     prompt_logprobs: Annotated[bool, typer.Option("--prompt-logprobs", help="Also compile the prompt-logprobs prefill graphs (every prompt position's logprob).")] = False,
     model: Annotated[Optional[str], typer.Option("--model", help="Checkpoint directory (default: the embedded tiny model). An FP8 checkpoint compiles its FP8 graphs into PRESET/BACKEND/fp8/.")] = None,
     quantization: Annotated[Optional[str], typer.Option("--quantization", help="fp8: compile the graphs of the checkpoint quantized per 128x128 block at load (what `trnrt serve --quantization fp8` runs), into PRESET/BACKEND/fp8/.")] = None,
+    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="auto, bf16 or fp8_e4m3: the graphs of `trnrt serve --kv-cache-dtype fp8_e4m3` (FP8 latent / key cache), into PRESET/BACKEND/kv_fp8/ (fp8+kv_fp8/ with FP8 weights).")] = "auto",
     backend: Annotated[str, typer.Option("--backend", help="cpu (AOTInductor), cuda (CUDA graphs), neuron, or eager.")] = "cpu",
     out: Annotated[Optional[Path], typer.Option("--out", help="Artifact root; writes OUT/PRESET/BACKEND/manifest.json. Default: the artifact cache, where `trnrt serve` finds the graphs of this model and preset by itself.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Export and hash only; compile nothing.")] = False,
@@ -98,9 +99,9 @@ def compile_cmd(
     if quantization not in (None, "fp8"):
         err.print(f"[red]error:[/red] --quantization must be fp8 (or left out), got {quantization!r}")
         raise typer.Exit(2)
-    if quantization and tp_size > 1:
-        err.print("[red]error:[/red] --quantization fp8 with --tp-size > 1 is not wired yet (the rank model loads "
-                  "bf16 / fp32 weights)")
+    if (quantization or kv_cache_dtype != "auto") and tp_size > 1:
+        err.print("[red]error:[/red] --quantization / --kv-cache-dtype with --tp-size > 1 are not wired yet (the "
+                  "rank model loads bf16 / fp32 weights and caches)")
         raise typer.Exit(2)
 
     from trnrt.compile.backends import get_backend
@@ -134,7 +135,8 @@ def compile_cmd(
             parallel = fake_context(tp_size, ep_size)
             mdl, state = rank_model_and_state(model, cfg, parallel, device=device)
         else:
-            mdl, state = load_model_and_state(model, cfg, device=device, quantization=quantization)
+            mdl, state = load_model_and_state(model, cfg, device=device, quantization=quantization,
+                                              kv_cache_dtype=kv_cache_dtype)
     except (ValueError, OSError) as e:
         err.print(f"[red]error:[/red] --model: {e}")
         raise typer.Exit(2)
@@ -147,7 +149,7 @@ def compile_cmd(
     n = len(only) if only else len(specs)
     from trnrt.compile.manifest import quantization_of
 
-    quant = quantization_of(mdl)
+    quant = quantization_of(mdl, state)
     lay = (f" tp {tp_size} ep {ep_size}" if tp_size > 1 else "") + (f", {quant} weights" if quant else "")
     console.print(f"compile [bold]{p.name}[/bold] ({p.path}) backend [bold]{backend}[/bold]{lay}, {n} graph(s)"
                   f"{', flags ' + '+'.join(flags) if flags else ''}{' (dry run)' if dry_run else ''}")

@@ -114,10 +114,6 @@ def build_engine(args: ServerArgs):
         raise typer.Exit(1)
 
     fp8 = args.quantization or args.kv_cache_dtype == "fp8_e4m3"
-    fp8_kv = args.kv_cache_dtype == "fp8_e4m3"
-    if args.compiled and fp8_kv:  # FP8 weights compile (their own graphs); the FP8 cache's modules do not yet
-        raise typer.BadParameter("--kv-cache-dtype fp8_e4m3 runs eagerly: no compiled FP8-cache graphs yet "
-                                 "(serve it without --compiled)", param_hint="--kv-cache-dtype")
     parallel = args.parallel_config()
     if parallel.enabled:  # eager per rank (compiled TP graphs are built by trnrt compile, not loaded yet)
         if args.compiled:
@@ -128,11 +124,9 @@ def build_engine(args: ServerArgs):
         loader = None
     elif args.compiled:
         loader = compiled_loader(args.compiled, args.backend)
-    elif fp8_kv:  # no FP8-cache graphs are compiled
-        loader = None
     else:
         loader = None if args.disable_compiled_cache else cached_loader(model_dir, args.preset, args.backend,
-                                                                        args.quantization)
+                                                                        args.quantization, args.kv_cache_dtype)
     cfgs = resolve_server_configs(args, compiled=loader is not None)
     from trnrt.plan.fit import check_serve_fits  # refuse a layout that cannot fit before any weight loads
 
@@ -163,10 +157,12 @@ def compiled_loader(directory: str, backend: str | None):
     return loader
 
 
-def cached_loader(model_dir: str, preset: str | None, backend: str | None, quantization: str | None = None):
+def cached_loader(model_dir: str, preset: str | None, backend: str | None, quantization: str | None = None,
+                  kv_cache_dtype: str = "auto"):
     """A compiled-graph loader over the artifact cache (`trnrt compile` without --out writes
     there), or None when the cache holds nothing for this model, preset and backend. An FP8 model
-    (an FP8 checkpoint, or `quantization="fp8"`) looks for its own graphs (`<backend>/fp8/`). Artifacts
+    (an FP8 checkpoint, or `quantization="fp8"`) or FP8 KV cache (`kv_cache_dtype="fp8_e4m3"`)
+    looks for its own graphs (`<backend>/fp8/`, `kv_fp8/`, `fp8+kv_fp8/`). Artifacts
     the loader refuses (another model config, preset settings, torch or graph code) are logged and
     the engine runs eagerly: a stale cache never stops a server."""
     from trnrt.compile.artifact_cache import cached_artifacts
@@ -176,16 +172,18 @@ def cached_loader(model_dir: str, preset: str | None, backend: str | None, quant
         preset = read_preset(preset or "default").name
     except PresetError:
         return None  # resolving the configs reports the preset
+    from trnrt.compile.manifest import quantization_name
     from trnrt.models.glm5_next.fp8.load import wants_fp8
 
     backend = backend or "cpu"
-    quant = "fp8" if wants_fp8(model_dir, quantization) else None
+    quant = quantization_name(wants_fp8(model_dir, quantization), kv_cache_dtype == "fp8_e4m3")
     cached = cached_artifacts(model_dir, preset, backend, quant)
     if cached is None:
         q = f" for {quant} weights" if quant else ""
         log.info("no compiled graphs of preset %s (%s)%s in the artifact cache: running eagerly "
                  "(`trnrt compile --preset %s%s` builds them once)", preset, backend, q, preset,
-                 " --quantization fp8" if quantization else "")
+                 (" --quantization fp8" if quantization else "") +
+                 (" --kv-cache-dtype fp8_e4m3" if kv_cache_dtype == "fp8_e4m3" else ""))
         return None
 
     def loader(model, state, engine_config):

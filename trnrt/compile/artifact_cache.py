@@ -37,8 +37,8 @@ def artifact_root(model_dir: str | os.PathLike) -> Path:
 
 def cached_artifacts(model_dir: str | os.PathLike, preset: str, backend: str = "cpu",
                      quantization: str | None = None) -> Path | None:
-    """The cached artifact directory of (model, preset name, backend, quantization: None or
-    "fp8") if one was written, else None.
+    """The cached artifact directory of (model, preset name, backend, quantization:
+    None or a manifest.quantization_name) if one was written, else None.
 
     Only the manifest's presence is checked here; the loader validates it."""
     from trnrt.compile.manifest import quantized_dir

@@ -8,10 +8,11 @@ by default it runs only when the source of the graph-defining modules (manifest 
 or torch changed since the compile, so an unchanged tree starts fast and an edited one is checked
 graph by graph (an edit that leaves the graphs equal, such as a comment, is accepted).
 
-An FP8 model's artifacts are those of <dir>/<preset>/<backend>/fp8/ (found by itself), and the
-manifest's quantization and quantized-weight layout must be the model's: default (bf16 / fp32)
-artifacts are refused for an FP8 model and FP8 ones for a default model (reason "quantization"),
-whether or not the graph hashes are re-checked.
+An FP8 model's artifacts are those of <dir>/<preset>/<backend>/fp8/ (FP8 KV cache: kv_fp8/,
+both: fp8+kv_fp8/; found by themselves), and the manifest's quantization and quantized-weight
+layout must be the model's and state's: default (bf16 / fp32) artifacts are refused for an FP8
+model and FP8 ones for a default model (reason "quantization"), whether or not the graph hashes
+are re-checked.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def load_compiled(directory: str | Path, model: torch.nn.Module, state: Any, eng
     differs from the compile's (a few seconds per graph); True always; False never.
     Raises CompiledArtifactError (reason says which check failed).
     """
-    quant = quantization_of(model)
+    quant = quantization_of(model, state)
     mdir = find_manifest_dir(directory, engine_config, backend, quant)
     man = Manifest.read(mdir)
     if backend is not None and man.backend != backend:

@@ -61,13 +61,23 @@ def _weight_tensors(model: Any):
     return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
 
 
-def quantization_of(model: Any) -> str | None:
-    """"fp8" when the model holds FP8 weights (Fp8Linear / Fp8Experts swapped in by
-    glm5_next.loading), else None (the default bf16 / fp32 model: its graphs and manifests)."""
-    for _, t in _weight_tensors(model):
-        if str(t.dtype).removeprefix("torch.") in FP8_DTYPE_NAMES:
-            return "fp8"
-    return None
+def _is_fp8(t: Any) -> bool:
+    return str(getattr(t, "dtype", "")).removeprefix("torch.") in FP8_DTYPE_NAMES
+
+
+def quantization_name(fp8_weights: bool, fp8_kv_cache: bool) -> str | None:
+    """"fp8" (FP8 weights), "kv_fp8" (`--kv-cache-dtype fp8_e4m3`), "fp8+kv_fp8" (both) or None."""
+    return "+".join(n for n, on in (("fp8", fp8_weights), ("kv_fp8", fp8_kv_cache)) if on) or None
+
+
+def quantization_of(model: Any, state: Any = None) -> str | None:
+    """quantization_name of a model (FP8 weights: Fp8Linear / Fp8Experts swapped in by
+    glm5_next.loading) and its state (an FP8 latent / key cache: fp8/kv_cache.py); None for the
+    default model and state (their graphs and manifests)."""
+    weights = any(_is_fp8(t) for _, t in _weight_tensors(model))
+    kv = state is not None and dataclasses.is_dataclass(state) and \
+        any(_is_fp8(getattr(state, f.name, None)) for f in dataclasses.fields(state))
+    return quantization_name(weights, kv)
 
 
 def quantized_weights_hash(model: Any) -> str | None:
@@ -75,7 +85,7 @@ def quantized_weights_hash(model: Any) -> str | None:
     left out: a target graph never reads it, and a server may load it or not), so artifacts of
     one FP8 layout are not bound to another (which linears are FP8, the block grid). None for an
     unquantized model."""
-    if quantization_of(model) is None:
+    if not any(_is_fp8(t) for _, t in _weight_tensors(model)):
         return None
     rows = sorted((n, str(t.dtype), list(t.shape)) for n, t in _weight_tensors(model) if not n.startswith("mtp."))
     return hashlib.sha256(canonical_json(rows)).hexdigest()
@@ -83,7 +93,8 @@ def quantized_weights_hash(model: Any) -> str | None:
 
 def quantized_dir(art_dir: Path, quantization: str | None) -> Path:
     """Where the artifacts of a `quantization` model go under <out>/<preset>/<backend>: a folder
-    of their own (`fp8/`), so they never overwrite or stand in for the default graphs."""
+    of their own (`fp8/`, `kv_fp8/`, `fp8+kv_fp8/`), so they never overwrite or stand in for the
+    default graphs."""
     return Path(art_dir) / quantization if quantization else Path(art_dir)
 
 

@@ -130,7 +130,7 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
         if unknown:
             raise ValueError(f"unknown graph id(s) {sorted(unknown)}; the preset has {[s.graph_id for s in specs]}")
         specs = [s for s in specs if s.graph_id in wanted]
-    quant = (quantization_of(model), quantized_weights_hash(model))
+    quant = (quantization_of(model, state), quantized_weights_hash(model))
     art_dir = artifact_dir(out, engine_config.preset, backend, quant[0])
     if tp:
         art_dir = layout_dir(art_dir, parallel)
@@ -223,10 +223,11 @@ def compile_graphs(model: torch.nn.Module, state: Any, engine_config: EngineConf
 
 
 def load_model_and_state(model_dir: str | Path | None, engine_config: EngineConfig, device: str = "cpu",
-                         quantization: str | None = None):
+                         quantization: str | None = None, kv_cache_dtype: str = "auto"):
     """The serving model from `model_dir` (None: the embedded tiny checkpoint) and fresh state,
     loaded as the engine loads it (glm5_next.loading: an FP8 checkpoint, or quantization="fp8",
-    gives the FP8 model; anything else weights.load_model's)."""
+    gives the FP8 model; anything else weights.load_model's; kv_cache_dtype "fp8_e4m3": the
+    FP8-cache attention forms and an FP8 latent / key cache, as the engine builds them)."""
     from trnrt.models.glm5_next.loading import load_model
     from trnrt.models.paths import resolve_model_dir
 
@@ -237,6 +238,13 @@ def load_model_and_state(model_dir: str | Path | None, engine_config: EngineConf
     state = model.allocate_state(engine_config.num_blocks, engine_config.block_size, engine_config.num_slots,
                                  mtp=spec)
     # (allocate_state follows the model's dtype and device)
+    from trnrt.models.glm5_next.fp8.kv_dtype import resolve_kv_cache_dtype
+
+    if resolve_kv_cache_dtype(kv_cache_dtype, dtype) == torch.float8_e4m3fn:
+        from trnrt.models.glm5_next.fp8.kv_cache import to_fp8_kv_state, use_fp8_kv_cache
+
+        use_fp8_kv_cache(model)
+        state = to_fp8_kv_state(state)
     return model, state
 
 

@@ -94,7 +94,8 @@ class EngineBuilderMixin:
         FP8 graphs `trnrt compile` builds for that model, which the loader tells from the default
         ones by the manifest's quantization). kv_cache_dtype (`--kv-cache-dtype`, checked by
         trnrt.models.glm5_next.fp8.kv_dtype): auto / bf16 = the model's dtype; fp8_e4m3: the MLA
-        latent and indexer key caches in float8_e4m3fn (fp8/kv_cache.py; eager).
+        latent and indexer key caches in float8_e4m3fn (fp8/kv_cache.py; compiled: the graphs of
+        `trnrt compile --kv-cache-dtype fp8_e4m3`).
 
         compiled_loader(model, state, engine_config) -> {GraphSpec: callable} runs compiled graphs
         (the CLI passes trnrt.compile.load_compiled; the engine layer never imports compile). The
@@ -148,8 +149,6 @@ class EngineBuilderMixin:
             from trnrt.models.glm5_next.fp8.kv_dtype import resolve_kv_cache_dtype
 
             fp8_kv = resolve_kv_cache_dtype(kv_cache_dtype, dtype) == torch.float8_e4m3fn
-            if fp8_kv and compiled_loader is not None:
-                raise ValueError("kv_cache_dtype fp8_e4m3 runs eagerly: no compiled FP8-cache graphs yet")
             model = load_model(path, dtype=dtype, device=device, load_mtp=speculative is not None,
                                quantization=quantization)
             mcfg = model.config
