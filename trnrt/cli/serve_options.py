@@ -37,7 +37,7 @@ Model = Annotated[Optional[str], _opt("--model", "--model-path", panel=MODEL, he
 TokenizerPath = Annotated[Optional[str], _opt("--tokenizer-path", panel=MODEL, help="Tokenizer directory (default: the model's).")]
 ContextLength = Annotated[Optional[int], _opt("--context-length", panel=MODEL, help="Max prompt + completion tokens.", min=2)]
 Quantization = Annotated[Optional[str], _opt("--quantization", panel=MODEL, help="fp8: quantize a bf16 checkpoint's linear and expert weights per 128x128 block at load (SGLang's online FP8); an FP8 checkpoint (config.json quantization_config) is detected without it. Compiled: the FP8 graphs of `trnrt compile --quantization fp8` (PRESET/BACKEND/fp8/).")]
-KvCacheDtype = Annotated[str, _opt("--kv-cache-dtype", panel=MODEL, help="auto | bf16 | fp8_e4m3: dtype of the MLA latent cache and the indexer key pool (auto: the model's dtype; bf16 needs a bfloat16 preset; fp8_e4m3: float8_e4m3fn, scale 1, eager). The KDA recurrent state is always fp32.")]
+KvCacheDtype = Annotated[str, _opt("--kv-cache-dtype", panel=MODEL, help="auto | bf16 | fp8_e4m3: dtype of the MLA latent cache and the indexer key pool (auto: the model's dtype; bf16 needs a bfloat16 preset; fp8_e4m3: float8_e4m3fn, scale 1; compiled graphs: `trnrt compile --kv-cache-dtype fp8_e4m3`). The KDA recurrent state is always fp32.")]
 
 # -- Graphs: preset and compiled artifacts -------------------------------------------------------
 Preset = Annotated[str, _opt("--preset", panel=GRAPHS, help="Graph-shaping preset (presets/*.toml).")]

@@ -6,7 +6,8 @@ The attention and indexer forwards below are the default ones (mla.py, indexer.p
 every cache write (to FP8) and read (to the activation dtype), and without the fused CPU decode
 kernels (they read the cache in the model's dtype). The default modules and their traced lines are
 untouched: `use_fp8_kv_cache` re-classes the model's modules only when the flag is given. Keep the
-two forwards in step with mla.py / indexer.py. Eager only (no compiled FP8-cache graphs yet).
+two forwards in step with mla.py / indexer.py. Compiled graphs: `trnrt compile --kv-cache-dtype
+fp8_e4m3` (their own folder and hashes; trnrt.compile.manifest.quantization_of).
 """
 
 from __future__ import annotations
