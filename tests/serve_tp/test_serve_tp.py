@@ -5,6 +5,8 @@ every sampled token (checked after every step: TRNRT_TP_CHECK_EVERY=1)."""
 
 from __future__ import annotations
 
+import re
+
 from test_generate import (  # noqa: F401
     test_cumulative_stream_reassembles_to_the_answer,
     test_greedy_generate_equals_completions,
@@ -67,6 +69,12 @@ def test_server_info_and_parallel_stats(any_server):
     assert ag["checks"] >= 6 and ag["mismatches"] == 0, ag
     r0, r1 = par["ranks"]
     assert r1["steps"] == r0["steps"] == par["steps"] >= 6 and r1["digest"] == r0["digest"], par  # checked after the last step
+    # the steps' collectives, timed on rank 0, and every rank's weights / state (rank 1's from its last check)
+    assert par["collective_calls_per_step"] > 0 and 0 < par["collective_s_total"] and 0 < par["collective_share"] < 1 \
+        and all(r["weight_bytes"] > 0 and r["state_bytes"] > 0 for r in par["ranks"]), par
+    metrics = any_server.raw("GET", "/metrics")[1]
+    assert re.search(r'^trnrt_tp_size\{[^}]*\} 2\.0$', metrics, re.M) and \
+        re.search(r'^trnrt_tp_rank_memory_bytes\{(?=[^}]*rank="1")(?=[^}]*kind="weights")[^}]*\} [1-9]', metrics, re.M), metrics
 
 
 def test_killing_a_rank_ends_the_server(tp_server, any_server):
