@@ -93,8 +93,16 @@ class TokenDigest:
         return self._h.hexdigest()
 
 
-def rank_report(rank: int, digest: TokenDigest, ctx, channel: RankBroadcaster) -> dict:
-    """What a rank answers to a check: its digest and step count, memory and collective counts."""
+def spec_requests(runner) -> int | None:
+    """Requests a speculative runner's drafter keeps state for (None: not speculative)."""
+    drafter = getattr(runner, "drafter", None)
+    return drafter.num_requests() if drafter is not None else None
+
+
+def rank_report(rank: int, digest: TokenDigest, ctx, channel: RankBroadcaster, runner=None) -> dict:
+    """What a rank answers to a check: its digest and step count, memory and collective counts,
+    and the requests its speculative drafter still tracks (`spec_requests`: every rank must
+    forget a finished or aborted request, so the ranks agree on it between steps)."""
     try:
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -104,7 +112,7 @@ def rank_report(rank: int, digest: TokenDigest, ctx, channel: RankBroadcaster) -
     return {"rank": rank, "pid": os.getpid(), "steps": digest.steps, "digest": digest.hexdigest(),
             "rss_bytes": rss, "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "collective_calls": sum(counts["calls"].values()), "collective_bytes": sum(counts["bytes"].values()),
-            "channel_s": round(channel.seconds, 6)}
+            "channel_s": round(channel.seconds, 6), "spec_requests": spec_requests(runner)}
 
 
 class MirroredRunner:
@@ -198,7 +206,7 @@ class MirroredRunner:
                 return not self._mismatches
             try:
                 self._send("check")
-                reports = self._channel.gather(rank_report(0, self._digest, self._ctx, self._channel))
+                reports = self._channel.gather(rank_report(0, self._digest, self._ctx, self._channel, self._runner))
             except Exception as e:
                 self._on_fatal(f"the tensor-parallel agreement check failed: {e}")
                 raise
@@ -232,7 +240,7 @@ class MirroredRunner:
         """/v1/stats' `parallel` section (any thread): the layout, each rank's last report (memory,
         steps, digest) and the agreement, the broadcast's and the model collectives' share."""
         steps = self._digest.steps
-        own = rank_report(0, self._digest, self._ctx, self._channel)
+        own = rank_report(0, self._digest, self._ctx, self._channel, self._runner)
         ranks = {r["rank"]: r for r in self._last_reports}
         ranks[0] = own
         calls = own["collective_calls"]
@@ -258,7 +266,7 @@ def serve_rank(runner, channel: RankBroadcaster, ctx, rank: int) -> int:
             log.info("rank %d: stopped by rank 0 after %d steps", rank, digest.steps)
             return 0
         if op == "check":
-            channel.gather(rank_report(rank, digest, ctx, channel))
+            channel.gather(rank_report(rank, digest, ctx, channel, runner))
             continue
         if op == "ping":
             continue
