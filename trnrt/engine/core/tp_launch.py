@@ -141,7 +141,7 @@ def start_rank_zero(parallel: ParallelConfig, setup):
         ctx, channel = join_group(0, parallel, addr)
         channel.send("setup", setup)
         runner = build_runner(setup, ctx, ranks_per_node=parallel.ranks_per_node)
-        reports = channel.gather(rank_report(0, TokenDigest(), ctx, channel, RankMemory(runner)))  # all loaded
+        reports = channel.gather(rank_report(0, TokenDigest(), ctx, channel, runner, RankMemory(runner)))  # all loaded
     except BaseException:
         watchdog.closing = True
         watchdog.kill_all()

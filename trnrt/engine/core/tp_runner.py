@@ -139,9 +139,18 @@ class RankMemory:
         return out
 
 
-def rank_report(rank: int, digest: TokenDigest, ctx, channel: RankBroadcaster, memory: RankMemory | None = None) -> dict:
+def spec_requests(runner) -> int | None:
+    """Requests a speculative runner's drafter keeps state for (None: not speculative)."""
+    drafter = getattr(runner, "drafter", None)
+    return drafter.num_requests() if drafter is not None else None
+
+
+def rank_report(rank: int, digest: TokenDigest, ctx, channel: RankBroadcaster, runner=None,
+                memory: RankMemory | None = None) -> dict:
     """What a rank answers to a check: its digest and step count, memory (process RSS and, with
-    `memory`, the runner's weights / state / cache tiers) and its collectives' counts and seconds."""
+    `memory`, the runner's weights / state / cache tiers), its collectives' counts and seconds, and
+    the requests its speculative drafter still tracks (`spec_requests`: every rank must forget a
+    finished or aborted request, so the ranks agree on it between steps)."""
     try:
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -152,7 +161,8 @@ def rank_report(rank: int, digest: TokenDigest, ctx, channel: RankBroadcaster, m
             "rss_bytes": rss, "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             **(memory.report() if memory is not None else {}),
             "collective_calls": sum(counts["calls"].values()), "collective_bytes": sum(counts["bytes"].values()),
-            "collective_s": round(sum(counts["seconds"].values()), 6), "channel_s": round(channel.seconds, 6)}
+            "collective_s": round(sum(counts["seconds"].values()), 6), "channel_s": round(channel.seconds, 6),
+            "spec_requests": spec_requests(runner)}
 
 
 class MirroredRunner:
@@ -257,7 +267,8 @@ class MirroredRunner:
                 return not self._mismatches
             try:
                 self._send("check")
-                reports = self._channel.gather(rank_report(0, self._digest, self._ctx, self._channel, self._memory))
+                reports = self._channel.gather(rank_report(0, self._digest, self._ctx, self._channel, self._runner,
+                                                           self._memory))
             except Exception as e:
                 self._on_fatal(f"the tensor-parallel agreement check failed: {e}")
                 raise
@@ -293,7 +304,7 @@ class MirroredRunner:
         the broadcast's and the model collectives' share of the steps (rank 0's view)."""
         d = self.__dict__
         steps = self._digest.steps
-        own = rank_report(0, self._digest, self._ctx, self._channel, self._memory)
+        own = rank_report(0, self._digest, self._ctx, self._channel, self._runner, self._memory)
         ranks = {r["rank"]: r for r in self._last_reports}
         ranks[0] = own
         coll_s, step_s = d["_coll_s"], d["_step_s"]
@@ -328,7 +339,7 @@ def serve_rank(runner, channel: RankBroadcaster, ctx, rank: int) -> int:
             log.info("rank %d: stopped by rank 0 after %d steps", rank, digest.steps)
             return 0
         if op == "check":
-            channel.gather(rank_report(rank, digest, ctx, channel, memory))
+            channel.gather(rank_report(rank, digest, ctx, channel, runner, memory))
             continue
         if op == "ping":
             continue

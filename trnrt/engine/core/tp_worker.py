@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"rank {a.rank}: expected the setup from rank 0, got {op!r}")
         runner = build_runner(setup, ctx, ranks_per_node=parallel.ranks_per_node)
         apply_torch_threads(runner.torch_threads, f"tensor-parallel rank {a.rank}")
-        channel.gather(rank_report(a.rank, TokenDigest(), ctx, channel, RankMemory(runner)))
+        channel.gather(rank_report(a.rank, TokenDigest(), ctx, channel, runner, RankMemory(runner)))
         with runner.thread_context():
             code = serve_rank(runner, channel, ctx, a.rank)
     except Exception as e:
