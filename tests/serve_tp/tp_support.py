@@ -15,6 +15,12 @@ import pytest
 from serve_support import Server, tok_dir, tokenizer, tokenizer_factory  # noqa: F401
 
 READY_TIMEOUT_S = 240  # two ranks load the model and torch on a loaded 2-core box
+MAX_RUNNING = 8  # the serve suite's 16 concurrent streams still fit (the HTTP layer admits 2 x this)
+SERVER_FLAGS = (
+    "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",  # MTP: greedy / sampled requests speculate
+    "--penalties", "--structured-outputs",  # the variant graphs (such requests run plain steps)
+    "--enable-priority-scheduling", "--max-running-requests", str(MAX_RUNNING),  # priority preemption
+)
 
 
 @dataclass
@@ -102,9 +108,10 @@ def stop(sp: ServeProcess, timeout_s: float = 30.0) -> int:
 
 @pytest.fixture(scope="module")
 def tp_server():
-    """`trnrt serve --tp-size 2` on the embedded model, the agreement checked every step."""
+    """`trnrt serve --tp-size 2` on the embedded model, the agreement checked every step, with
+    what test_serve_tp's feature tests need (SERVER_FLAGS)."""
     sp = ServeProcess("--tp-size", "2", "--served-model-name", "trnrt-tiny", "--context-length", "1024",
-                      env={"TRNRT_TP_CHECK_EVERY": "1"})
+                      *SERVER_FLAGS, env={"TRNRT_TP_CHECK_EVERY": "1"})
     try:
         yield sp
     finally:

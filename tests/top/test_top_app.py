@@ -197,6 +197,34 @@ def test_summary_shows_spec_accept_length_only_when_enabled(make_snapshot):
     asyncio.run(run())
 
 
+def test_parallel_line_only_with_tensor_parallelism(make_snapshot):
+    """No engine with a `parallel` section (every fixture snapshot): no parallel line; with one
+    (TP=2): a line under the summary with TP×EP, the collectives per step and the ranks' memory."""
+    off = make_snapshot(0)
+    par = {"tp_size": 2, "ep_size": 2, "steps": 4, "step_ms": 8.0, "collective_ms_per_step": 2.0,
+           "collective_share": 0.25, "collective_calls_per_step": 12.0, "agreement": {"mismatches": 0},
+           "ranks": [{"rank": r, "rss_bytes": 2**30, "weight_bytes": 2**28, "state_bytes": 2**24} for r in (0, 1)]}
+    on = dict(off, engines=[dict(off["engines"][0], parallel=par), *off["engines"][1:]])
+    src = FakeStatsSource([off, on])
+    expected = ("parallel TP2×EP2 · collectives 2.0ms/step (25% of the 8.0ms step, 12 per step) · ranks agree · "
+                "memory RSS·weights·state r0 1.0G·256M·16M, r1 1.0G·256M·16M")
+
+    async def run():
+        app = TopApp(src, interval=60.0)
+        async with app.run_test(size=(200, 36)) as pilot:
+            await wait_for(pilot, lambda: app.polls_applied >= 1)
+            line = app.query_one("#parallel", Static)
+            await pilot.pause(0.05)
+            assert not line.display and "TP2" not in "\n".join(screen_text(app.export_screenshot()))
+            await pilot.press("r")
+            await wait_for(pilot, lambda: app.polls_applied >= 2)
+            await pilot.pause(0.05)
+            assert line.display and str(line.render()) == expected
+            assert screen_text(app.export_screenshot())[2].strip() == expected  # right under the summary
+
+    asyncio.run(run())
+
+
 def test_screenshot_snapshot(make_snapshot):
     """Constant data, fixed size, no clock, a long interval: the screen is deterministic.
 

@@ -2,7 +2,7 @@
 
 * `context`     ParallelContext: tp rank/size, ep size, the derived MoE ranks, the process group;
                 `ParallelContext.single()` is TP=1 and needs no process group at all.
-* `counts`      CollectiveCounts: calls and bytes per collective kind, per context.
+* `counts`      CollectiveCounts: calls, bytes and seconds per collective kind, per context.
 * `collectives` all_reduce / all_gather as torch's functional collectives, the identity at TP=1
                 (no op emitted, so no collective can enter a TP=1 graph); every call is counted.
 * `layers`      column- / row-parallel linear over plain weight shards, the vocab-parallel

@@ -12,6 +12,12 @@ and SGLang's gauges (`trnrt_spec_accept_length`, `trnrt_spec_accept_rate`, since
 only for engines whose `speculative.enabled` is true: a server without it shows no spec series, as
 vLLM shows none without a speculative config.
 
+Tensor parallelism: `trnrt_tp_size` and `trnrt_ep_size` for every engine (1 and 1 without TP);
+with an engine's `parallel` section (TP > 1) the steps' and their collectives' seconds and counts as
+counters (`rate(trnrt_tp_collective_seconds_total) / rate(trnrt_tp_steps_total)` is the collectives'
+seconds per step, over `rate(trnrt_tp_step_seconds_total)` their share of the step), the latest
+step's collective seconds, and `trnrt_tp_rank_memory_bytes{rank, kind}`.
+
 Two ways in, both fed by a snapshot (so /metrics and /v1/stats always agree):
 
     body = to_prometheus(collector.snapshot())                 # bytes, CONTENT_TYPE
@@ -132,6 +138,7 @@ def metric_families(snapshot: dict) -> Iterator[Metric]:
         yield g
 
     yield from _spec_families(engines, base, labels)
+    yield from _parallel_families(engines, base, labels)
 
     hit = GaugeMetricFamily(f"{PREFIX}_prefix_cache_hit_ratio",
                             "Cached / prompt tokens of finished requests.", labels=base)
@@ -178,6 +185,59 @@ def _spec_families(engines: list, base: list[str], labels: Callable[[dict], list
             v = spec.get(key)
             g.add_metric(labels(eng), math.nan if v is None else float(v))
         yield g
+
+
+_PARALLEL_COUNTERS = {
+    # parallel section key -> (metric name without _total, help)
+    "steps": ("tp_steps", "Engine steps run by the tensor-parallel ranks."),
+    "step_s_total": ("tp_step_seconds", "Wall seconds of those steps on rank 0 (broadcast, forward, sampling)."),
+    "collective_s_total": ("tp_collective_seconds",
+                           "Wall seconds rank 0 spent in the model's collectives during steps (issue to wait)."),
+    "collective_calls_total": ("tp_collectives", "Model collectives rank 0 issued during steps."),
+}
+_RANK_MEMORY = {"rss_bytes": "rss", "weight_bytes": "weights", "state_bytes": "state",
+                "cache_tier_bytes": "cache_tiers"}
+
+
+def _parallel_families(engines: list, base: list[str], labels: Callable[[dict], list[str]]) -> Iterator[Metric]:
+    """`trnrt_tp_size` / `trnrt_ep_size` for every engine (1 without a `parallel` section); the
+    collectives' seconds and the ranks' memory only for engines with one (TP > 1)."""
+    sections = [(e, e.get("parallel") if isinstance(e.get("parallel"), dict) else {}) for e in engines]
+    for key, name, doc in (("tp_size", "tp_size", "Tensor-parallel ranks of the engine (1: no tensor parallelism)."),
+                           ("ep_size", "ep_size", "Expert-parallel degree of the engine's MoE layers.")):
+        g = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=base)
+        for eng, par in sections:
+            g.add_metric(labels(eng), float(par.get(key) or 1))
+        yield g
+    on = [(e, p) for e, p in sections if "steps" in p]
+    if not on:
+        return
+    for key, (name, doc) in _PARALLEL_COUNTERS.items():
+        c = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=base)
+        for eng, par in on:
+            c.add_metric(labels(eng), float(par.get(key) or 0))
+        yield c
+    last = GaugeMetricFamily(f"{PREFIX}_tp_collective_seconds_last_step",
+                             "Wall seconds of the model's collectives in rank 0's latest step (NaN before one).",
+                             labels=base)
+    for eng, par in on:
+        v = par.get("collective_s_last_step")
+        last.add_metric(labels(eng), math.nan if v is None else float(v))
+    yield last
+    mism = CounterMetricFamily(f"{PREFIX}_tp_agreement_mismatches",
+                               "Agreement checks in which the ranks' sampled-token digests differed.", labels=base)
+    for eng, par in on:
+        mism.add_metric(labels(eng), float((par.get("agreement") or {}).get("mismatches") or 0))
+    yield mism
+    mem = GaugeMetricFamily(f"{PREFIX}_tp_rank_memory_bytes",
+                            "A rank's memory by kind: process RSS, weights, state, cache tiers (rank 0 now; "
+                            "the others as of the last agreement check).", labels=base + ["rank", "kind"])
+    for eng, par in on:
+        for r in par.get("ranks") or []:
+            for key, kind in _RANK_MEMORY.items():
+                if r.get(key) is not None:
+                    mem.add_metric(labels(eng) + [str(r.get("rank")), kind], float(r[key]))
+    yield mem
 
 
 def _quantile_label(q: int) -> str:

@@ -2,8 +2,9 @@
 
 Layout, top to bottom: header (model · preset · uptime), a banner that appears only when the
 server is unreachable or polling is paused, a one-line summary, a line that appears only with
-speculative decoding on (its accept length and rate since start), sparklines of output tok/s and
-requests/s, the latency percentile table beside the queue / slot / KV-page / prefix-hit gauges, one
+speculative decoding on (its accept length and rate since start), a line that appears only with
+tensor parallelism on (TP×EP, the collectives' time per step and share, each rank's memory),
+sparklines of output tok/s and requests/s, the latency percentile table beside the queue / slot / KV-page / prefix-hit gauges, one
 row per engine (a router lists several), and the footer with the key bindings (q quit, p pause,
 r refresh now).
 
@@ -35,6 +36,8 @@ from trnrt.top.format import (
     header_info,
     instant_rates,
     latency_rows,
+    parallel_section,
+    parallel_text,
     ratio,
     spec_text,
     total_entry,
@@ -80,6 +83,8 @@ class TopApp(App):
     #summary { height: auto; padding: 0 1; }
     #spec { display: none; padding: 0 1; }
     #spec.shown { display: block; }
+    #parallel { display: none; padding: 0 1; }
+    #parallel.shown { display: block; }
     #charts { height: 4; }
     .chart { width: 1fr; padding: 0 1; }
     .chart Sparkline { height: 3; }
@@ -116,6 +121,7 @@ class TopApp(App):
         yield Static("", id="banner")
         yield Static(f"waiting for {self.source.description} …", id="summary")
         yield Static("", id="spec")
+        yield Static("", id="parallel")
         with Horizontal(id="charts"):
             with Vertical(classes="chart"):
                 yield Static("output tok/s", id="tok-label")
@@ -206,6 +212,7 @@ class TopApp(App):
             f"{cnt.get('errors', 0)} errors"
         )
         self._show_spec(snap.get("speculative"))
+        self._show_parallel(parallel_text(parallel_section(snap)))
 
         self.tok_history.append(rates["gen_tps"])
         self.req_history.append(rates["rps"])
@@ -248,6 +255,12 @@ class TopApp(App):
         else:
             line.update(f"{text} · {section.get('algorithm')}, {section.get('num_steps', 0)} draft steps")
             line.set_classes("shown")
+
+    def _show_parallel(self, text: str | None) -> None:
+        # Its own line, shown only with tensor parallelism on (an engine's `parallel` section).
+        line = self.query_one("#parallel", Static)
+        line.update("" if text is None else f"parallel {text}")
+        line.set_classes("" if text is None else "shown")
 
     def _show_engines(self, engines: list[dict]) -> None:
         # Rows are keyed by engine id and updated in place, so the cursor stays put and the table

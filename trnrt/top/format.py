@@ -72,6 +72,44 @@ def spec_text(spec: object) -> str | None:
     return f"spec accept length {'-' if length is None else f'{length:.2f}'} (rate {fmt_pct(spec.get('accept_rate'))})"
 
 
+def fmt_bytes(v: float | None) -> str:
+    """Bytes in binary units for humans: "-", "512K", "310M", "1.5G"."""
+    if v is None:
+        return "-"
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if v >= scale:
+            x = v / scale
+            return f"{x:.1f}{unit}" if x < 10 else f"{x:.0f}{unit}"
+    return f"{int(v)}B"
+
+
+def parallel_section(snap: dict) -> dict | None:
+    """The first engine's `parallel` section (tensor parallelism on: TP > 1), else None."""
+    for eng in snap.get("engines") or []:
+        par = eng.get("parallel")
+        if isinstance(par, dict) and "tp_size" in par:
+            return par
+    return None
+
+
+def parallel_text(par: object) -> str | None:
+    """One line for a `parallel` section: the layout, the collectives' time per step and their share
+    of the step (rank 0's, mean since start), the agreement, and each rank's memory (RSS, weights,
+    state; rank 0's now, the others' at the last agreement check). None without a section."""
+    if not isinstance(par, dict) or "tp_size" not in par:
+        return None
+    ms, share, calls = par.get("collective_ms_per_step"), par.get("collective_share"), par.get("collective_calls_per_step")
+    coll = f"collectives {fmt_ms(ms)}/step"
+    if ms is not None:
+        coll += f" ({fmt_pct(share)} of the {fmt_ms(par.get('step_ms'))} step, {calls:g} per step)"
+    ag = par.get("agreement") or {}
+    agree = "ranks agree" if not ag.get("mismatches") else f"⚠ {ag['mismatches']} disagreements"
+    mem = ", ".join(f"r{r.get('rank')} {fmt_bytes(r.get('rss_bytes'))}·{fmt_bytes(r.get('weight_bytes'))}·"
+                    f"{fmt_bytes(r.get('state_bytes'))}" for r in par.get("ranks") or [])
+    return (f"TP{par.get('tp_size')}×EP{par.get('ep_size', 1)} · {coll} · {agree}"
+            + (f" · memory RSS·weights·state {mem}" if mem else ""))
+
+
 def fmt_duration(s: float | None) -> str:
     """Uptime as "45s", "12m05s", "3h02m", "2d04h"."""
     if s is None:
@@ -238,6 +276,9 @@ def once_renderable(snap: dict, source: str) -> Group:
     summary.add_row("KV pages", used_of(live.get("pages_used"), live.get("pages_total")))
     summary.add_row("slots", used_of(live.get("slots_used"), live.get("slots_total")))
     summary.add_row("prefix hit", fmt_pct(snap.get("prefix_hit_rate")))
+    par = parallel_text(parallel_section(snap))
+    if par is not None:  # only with tensor parallelism on
+        summary.add_row("parallel", par)
     spec = spec_text(snap.get("speculative"))
     if spec is not None:  # only with speculative decoding on
         s = snap["speculative"]

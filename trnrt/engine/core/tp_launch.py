@@ -132,7 +132,7 @@ class RankWatchdog:
 def start_rank_zero(parallel: ParallelConfig, setup):
     """Rank 0's side of the start (see the module doc). Returns the MirroredRunner."""
     from trnrt.engine.core.tp_build import build_runner, model_kind
-    from trnrt.engine.core.tp_runner import MirroredRunner, rank_report, TokenDigest
+    from trnrt.engine.core.tp_runner import MirroredRunner, RankMemory, TokenDigest, rank_report
 
     addr = parallel.dist_init_addr or free_addr()
     t0 = time.monotonic()
@@ -141,14 +141,15 @@ def start_rank_zero(parallel: ParallelConfig, setup):
         ctx, channel = join_group(0, parallel, addr)
         channel.send("setup", setup)
         runner = build_runner(setup, ctx, ranks_per_node=parallel.ranks_per_node)
-        reports = channel.gather(rank_report(0, TokenDigest(), ctx, channel))  # every rank has loaded
+        reports = channel.gather(rank_report(0, TokenDigest(), ctx, channel, runner, RankMemory(runner)))  # all loaded
     except BaseException:
         watchdog.closing = True
         watchdog.kill_all()
         raise
     log.info("tensor parallelism: %d ranks (ep %d, %d nodes, %s model) ready in %.1f s; rank memory %s",
              parallel.tp_size, parallel.ep_size, parallel.nnodes, model_kind(), time.monotonic() - t0,
-             ", ".join(f"{r['rank']}: {(r['rss_bytes'] or 0) / 2**20:.0f} MiB" for r in reports))
+             ", ".join(f"{r['rank']}: {(r['rss_bytes'] or 0) / 2**20:.0f} MiB RSS, "
+                       f"{(r.get('weight_bytes') or 0) / 2**20:.0f} MiB weights" for r in reports))
 
     def on_close():
         watchdog.stop()

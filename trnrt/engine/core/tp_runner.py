@@ -14,8 +14,10 @@ of its inputs and of the previous calls, so it is mirrored with the call that ma
 Sampling agrees on every rank because the logits are all-gathered to the whole vocabulary and
 the seeds travel in the rows; rank 0's tokens are the ones the engine uses. Every rank folds the
 tokens it sampled into a running digest (`TokenDigest`); every `check_every` steps and at
-shutdown rank 0 gathers every rank's digest, step count and memory (`check`), and a mismatch is
-logged as an error and counted in /v1/stats' `parallel` section.
+shutdown rank 0 gathers every rank's digest, step count, memory (RSS, weights, state: `RankMemory`)
+and collective counts (`check`), and a mismatch is logged as an error and counted in /v1/stats'
+`parallel` section. Each step's collectives (calls and wall seconds, timed in
+trnrt.parallel.collectives._issue) are rank 0's count deltas around the step.
 
 A call that raises on rank 0 raises on the workers too (same inputs): both log it and go on, as
 the engine fails that step's requests and goes on. A broken channel (a rank is gone) is fatal on
@@ -93,18 +95,74 @@ class TokenDigest:
         return self._h.hexdigest()
 
 
-def rank_report(rank: int, digest: TokenDigest, ctx, channel: RankBroadcaster) -> dict:
-    """What a rank answers to a check: its digest and step count, memory and collective counts."""
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under `tensors` (a tied or viewed weight counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        key = (st.data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+    return total
+
+
+class RankMemory:
+    """What a rank's runner holds, by use: `weight_bytes` (the model's parameters and buffers:
+    the rank's shards), `state_bytes` (its ModelState and MTP state: KV pages, per-slot state) and
+    `cache_tier_bytes` (the prefix cache's state checkpoints and host tiers, once allocated). The
+    weights are counted once; the rest at each report (a few tensors)."""
+
+    def __init__(self, runner):
+        self._runner = runner
+        self._weights: int | None = None
+
+    def report(self) -> dict:
+        r = self._runner
+        if r is None:
+            return {}
+        out = {}
+        try:
+            if self._weights is None:
+                m = r.model
+                self._weights = _storage_bytes([*m.parameters(), *m.buffers()])
+            out["weight_bytes"] = self._weights
+            st = r.state
+            mtp = getattr(st, "mtp", None)
+            out["state_bytes"] = _storage_bytes([*st.tensors(), *(mtp.tensors() if mtp is not None else ())])
+            tiers = [t for k in ("_ckpt", "_host_ckpt", "_host_pages") for t in (getattr(r, k, None) or {}).values()]
+            out["cache_tier_bytes"] = _storage_bytes(tiers)
+        except Exception:  # a runner without these (a test double): report what there is
+            log.debug("rank memory", exc_info=True)
+        return out
+
+
+def spec_requests(runner) -> int | None:
+    """Requests a speculative runner's drafter keeps state for (None: not speculative)."""
+    drafter = getattr(runner, "drafter", None)
+    return drafter.num_requests() if drafter is not None else None
+
+
+def rank_report(rank: int, digest: TokenDigest, ctx, channel: RankBroadcaster, runner=None,
+                memory: RankMemory | None = None) -> dict:
+    """What a rank answers to a check: its digest and step count, memory (process RSS and, with
+    `memory`, the runner's weights / state / cache tiers), its collectives' counts and seconds, and
+    the requests its speculative drafter still tracks (`spec_requests`: every rank must forget a
+    finished or aborted request, so the ranks agree on it between steps)."""
     try:
         with open("/proc/self/statm") as f:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         rss = None
-    counts = ctx.stats.snapshot() if ctx is not None else {"calls": {}, "bytes": {}}
+    counts = ctx.stats.snapshot() if ctx is not None else {"calls": {}, "bytes": {}, "seconds": {}}
     return {"rank": rank, "pid": os.getpid(), "steps": digest.steps, "digest": digest.hexdigest(),
             "rss_bytes": rss, "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            **(memory.report() if memory is not None else {}),
             "collective_calls": sum(counts["calls"].values()), "collective_bytes": sum(counts["bytes"].values()),
-            "channel_s": round(channel.seconds, 6)}
+            "collective_s": round(sum(counts["seconds"].values()), 6), "channel_s": round(channel.seconds, 6),
+            "spec_requests": spec_requests(runner)}
 
 
 class MirroredRunner:
@@ -120,7 +178,8 @@ class MirroredRunner:
                              _check_every=check_every, _on_fatal=on_fatal, _on_close=on_close,
                              _lock=threading.Lock(), _digest=TokenDigest(), _closed=False, _model_kind=model_kind,
                              _checks=0, _mismatches=0, _last_reports=list(reports or []), _step_s=0.0,
-                             _last_send=time.monotonic())
+                             _last_send=time.monotonic(), _memory=RankMemory(runner),
+                             _coll_s=0.0, _coll_calls=0, _coll_last_s=None, _coll_last_calls=None)
         threading.Thread(target=self._heartbeat, name="trnrt-tp-heartbeat", daemon=True).start()
 
     def __getattr__(self, name):  # only called for what this class does not define
@@ -163,9 +222,19 @@ class MirroredRunner:
                 self._lock.release()
 
     def execute(self, rows):
+        # The step's collectives: the delta of rank 0's counts around the call (they are timed
+        # in collectives._issue, eager calls only; warm-up and checks are outside any step).
+        counts = self._ctx.stats if self._ctx is not None else None
+        n0, s0 = counts.totals() if counts is not None else (0, 0.0)
         t0 = time.perf_counter()
         results = self._mirror("execute", rows)
-        self.__dict__["_step_s"] += time.perf_counter() - t0
+        d = self.__dict__
+        d["_step_s"] += time.perf_counter() - t0
+        if counts is not None:
+            n1, s1 = counts.totals()
+            d["_coll_last_calls"], d["_coll_last_s"] = n1 - n0, s1 - s0
+            d["_coll_calls"] += n1 - n0
+            d["_coll_s"] += s1 - s0
         self._digest.add(results)
         if self._check_every and self._digest.steps % self._check_every == 0:
             self.check()
@@ -198,7 +267,8 @@ class MirroredRunner:
                 return not self._mismatches
             try:
                 self._send("check")
-                reports = self._channel.gather(rank_report(0, self._digest, self._ctx, self._channel))
+                reports = self._channel.gather(rank_report(0, self._digest, self._ctx, self._channel, self._runner,
+                                                           self._memory))
             except Exception as e:
                 self._on_fatal(f"the tensor-parallel agreement check failed: {e}")
                 raise
@@ -230,19 +300,29 @@ class MirroredRunner:
 
     def stats(self) -> dict:
         """/v1/stats' `parallel` section (any thread): the layout, each rank's last report (memory,
-        steps, digest) and the agreement, the broadcast's and the model collectives' share."""
+        steps, digest; rank 0's is fresh, the others' are from the last check) and the agreement,
+        the broadcast's and the model collectives' share of the steps (rank 0's view)."""
+        d = self.__dict__
         steps = self._digest.steps
-        own = rank_report(0, self._digest, self._ctx, self._channel)
+        own = rank_report(0, self._digest, self._ctx, self._channel, self._runner, self._memory)
         ranks = {r["rank"]: r for r in self._last_reports}
         ranks[0] = own
-        calls = own["collective_calls"]
+        coll_s, step_s = d["_coll_s"], d["_step_s"]
+        last_s = d["_coll_last_s"]
         return {
             **self._parallel.reported(), "model": self._model_kind, "steps": steps,
             "agreement": {"checks": self._checks, "mismatches": self._mismatches,
                           "agree": self._mismatches == 0, "check_every": self._check_every},
             "broadcast_ms_per_step": round(1e3 * self._channel.seconds / steps, 4) if steps else None,
-            "step_ms": round(1e3 * self._step_s / steps, 4) if steps else None,
-            "collective_calls_per_step": round(calls / steps, 3) if steps else None,
+            "step_ms": round(1e3 * step_s / steps, 4) if steps else None,
+            "step_s_total": round(step_s, 6),
+            "collective_calls_per_step": round(d["_coll_calls"] / steps, 3) if steps else None,
+            "collective_calls_last_step": d["_coll_last_calls"],
+            "collective_s_last_step": None if last_s is None else round(last_s, 6),
+            "collective_s_total": round(coll_s, 6),
+            "collective_calls_total": d["_coll_calls"],
+            "collective_ms_per_step": round(1e3 * coll_s / steps, 4) if steps else None,
+            "collective_share": round(coll_s / step_s, 4) if step_s > 0 else None,
             "ranks": [ranks[k] for k in sorted(ranks)],
         }
 
@@ -252,13 +332,14 @@ def serve_rank(runner, channel: RankBroadcaster, ctx, rank: int) -> int:
     A call that raises is logged and skipped (rank 0 saw the same failure); a broken channel
     raises (the worker exits non-zero)."""
     digest = TokenDigest()
+    memory = RankMemory(runner)
     while True:
         op, args = channel.recv()
         if op == "stop":
             log.info("rank %d: stopped by rank 0 after %d steps", rank, digest.steps)
             return 0
         if op == "check":
-            channel.gather(rank_report(rank, digest, ctx, channel))
+            channel.gather(rank_report(rank, digest, ctx, channel, runner, memory))
             continue
         if op == "ping":
             continue

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from trnrt.engine.core.tp_build import build_runner
     from trnrt.engine.core.tp_launch import join_group
-    from trnrt.engine.core.tp_runner import TokenDigest, rank_report, serve_rank
+    from trnrt.engine.core.tp_runner import RankMemory, TokenDigest, rank_report, serve_rank
     from trnrt.engine.runner.threads import apply_torch_threads
 
     torch.set_num_threads(1)  # loading; the runner's own count is set below
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"rank {a.rank}: expected the setup from rank 0, got {op!r}")
         runner = build_runner(setup, ctx, ranks_per_node=parallel.ranks_per_node)
         apply_torch_threads(runner.torch_threads, f"tensor-parallel rank {a.rank}")
-        channel.gather(rank_report(a.rank, TokenDigest(), ctx, channel))
+        channel.gather(rank_report(a.rank, TokenDigest(), ctx, channel, runner, RankMemory(runner)))
         with runner.thread_context():
             code = serve_rank(runner, channel, ctx, a.rank)
     except Exception as e:

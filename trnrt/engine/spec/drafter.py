@@ -38,6 +38,10 @@ class Drafter:
     def release(self, request_ids: Sequence[str]) -> None:
         """These requests are finished: drop what the drafter keeps for them."""
 
+    def num_requests(self) -> int | None:
+        """How many requests the drafter keeps state for (None: it does not say)."""
+        return None
+
 
 class MTPDrafter(Drafter):
     """k steps of the model's MTP layer (`model.forward_mtp`, spec §6) over `state.mtp`.
@@ -89,6 +93,9 @@ class MTPDrafter(Drafter):
         for rid in request_ids:
             self._computed.pop(rid, None)
             self._pending.pop(rid, None)
+
+    def num_requests(self) -> int:
+        return len(self._computed.keys() | self._pending.keys())
 
     # -- the draft loop ---------------------------------------------------------------------
 
