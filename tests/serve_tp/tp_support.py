@@ -121,3 +121,35 @@ def tp_server():
 @pytest.fixture(scope="module")
 def any_server(tp_server):
     return tp_server.server()
+
+
+class NodeProcess:
+    """`trnrt serve ARGS --nnodes K --node-rank R` (R > 0): a node launcher, no HTTP; its output
+    collected as ServeProcess's. Does not wait: node 0's rendezvous completes the start."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        import threading
+
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trnrt", "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "TRNRT_TORCH_THREADS": "1", **(env or {})})
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    output = ServeProcess.output
+    rank_pids = ServeProcess.rank_pids
+    wait = ServeProcess.wait
+    kill = ServeProcess.kill
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

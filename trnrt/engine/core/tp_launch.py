@@ -70,11 +70,23 @@ def start_workers(ranks, parallel: ParallelConfig, addr: str) -> dict[int, subpr
     return procs
 
 
+def remote_ranks(parallel: ParallelConfig) -> str:
+    """'node 1: rank 1' / 'node 1: ranks 8-15, node 2: ...': the ranks this node does not run."""
+    parts = []
+    for n in range(parallel.nnodes):
+        if n == parallel.node_rank:
+            continue
+        r = parallel.node_ranks(n)
+        parts.append(f"node {n}: rank {r[0]}" if len(r) == 1 else f"node {n}: ranks {r[0]}-{r[-1]}")
+    return ", ".join(parts)
+
+
 class RankWatchdog:
     """Watches this node's rank processes; `closing` set, their exits are expected."""
 
-    def __init__(self, procs: dict[int, subprocess.Popen], poll_s: float = 0.1):
+    def __init__(self, procs: dict[int, subprocess.Popen], poll_s: float = 0.1, parallel: ParallelConfig | None = None):
         self.procs = procs
+        self.parallel = parallel  # names the other nodes' ranks when the channel breaks
         self.poll_s = poll_s
         self.closing = False
         self._thread = threading.Thread(target=self._watch, name="trnrt-tp-watchdog", daemon=True)
@@ -98,7 +110,8 @@ class RankWatchdog:
 
     def fatal(self, message: str) -> None:
         """Log, kill the other ranks and end this process with RANK_DIED_EXIT_CODE (no return).
-        A broken channel usually means a rank died: the line names it when it was one of ours."""
+        A broken channel usually means a rank died: the line names it when it was one of ours, else
+        (several nodes) the ranks of the other nodes, one of which is gone."""
         if not message.startswith("tensor-parallel rank "):
             deadline = time.monotonic() + 0.5
             while time.monotonic() < deadline:
@@ -108,6 +121,9 @@ class RankWatchdog:
                     message = f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.returncode} ({message})"
                     break
                 time.sleep(0.02)
+            else:
+                if self.parallel is not None and self.parallel.nnodes > 1:
+                    message = f"a tensor-parallel rank on another node is gone ({remote_ranks(self.parallel)}) ({message})"
         log.critical("%s; the engine stops and the server exits (code %d): restart it", message, RANK_DIED_EXIT_CODE)
         self.kill_all()
         for h in logging.getLogger().handlers:
@@ -136,7 +152,8 @@ def start_rank_zero(parallel: ParallelConfig, setup):
 
     addr = parallel.dist_init_addr or free_addr()
     t0 = time.monotonic()
-    watchdog = RankWatchdog(start_workers([r for r in parallel.node_ranks(0) if r != 0], parallel, addr)).start()
+    watchdog = RankWatchdog(start_workers([r for r in parallel.node_ranks(0) if r != 0], parallel, addr),
+                            parallel=parallel).start()
     try:
         ctx, channel = join_group(0, parallel, addr)
         channel.send("setup", setup)
