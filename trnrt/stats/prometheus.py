@@ -161,17 +161,23 @@ _SPEC_GAUGES = {
 }
 
 
+def _section_counters(table: dict, on: list, base: list[str], labels: Callable[[dict], list[str]]) -> Iterator[Metric]:
+    """One counter family per `table` entry (section key -> (name, help)) over `on`'s
+    (engine, section) pairs; a missing value counts 0."""
+    for key, (name, doc) in table.items():
+        c = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=base)
+        for eng, section in on:
+            c.add_metric(labels(eng), float(section.get(key) or 0))
+        yield c
+
+
 def _spec_families(engines: list, base: list[str], labels: Callable[[dict], list[str]]) -> Iterator[Metric]:
     """Speculative-decoding families over the engines that have it on; nothing when none has."""
     on = [(e, e["speculative"]) for e in engines
           if isinstance(e.get("speculative"), dict) and e["speculative"].get("enabled")]
     if not on:
         return
-    for key, (name, doc) in _SPEC_COUNTERS.items():
-        c = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=base)
-        for eng, spec in on:
-            c.add_metric(labels(eng), float(spec.get(key) or 0))
-        yield c
+    yield from _section_counters(_SPEC_COUNTERS, on, base, labels)
     per_pos = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos",
                                   "Sequences that accepted the draft at each position (0: the first draft).",
                                   labels=base + ["position"])
@@ -212,11 +218,7 @@ def _parallel_families(engines: list, base: list[str], labels: Callable[[dict], 
     on = [(e, p) for e, p in sections if "steps" in p]
     if not on:
         return
-    for key, (name, doc) in _PARALLEL_COUNTERS.items():
-        c = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=base)
-        for eng, par in on:
-            c.add_metric(labels(eng), float(par.get(key) or 0))
-        yield c
+    yield from _section_counters(_PARALLEL_COUNTERS, on, base, labels)
     last = GaugeMetricFamily(f"{PREFIX}_tp_collective_seconds_last_step",
                              "Wall seconds of the model's collectives in rank 0's latest step (NaN before one).",
                              labels=base)
