@@ -11,7 +11,9 @@ code and their state types):
   B  shares A's first two pages, its slot restored from that checkpoint (load_slot), a prefill
      from 16 (the prefix-cache resume), then A and B decode 32 greedy steps as one batch;
   C  a speculative request: its prompt through the drafter's prefill, then speculative decode
-     steps (MTP draft, target verify of k + 1 tokens, rollback / re-run where rejected).
+     steps (MTP draft, target verify of k + 1 tokens, rollback / re-run where rejected);
+  D  a prompt-logprobs prefill (`--prompt-logprobs`' graph: all-position logits, the next token
+     sampled from the last hidden state through the head): its prompt logprobs and its token.
 
 Every target and MTP forward's logits are recorded at their valid rows / tokens (hooks; padding
 rows are left out), with the tokens each row emitted, every MoE router's top-k picks (a pre-hook
@@ -36,6 +38,7 @@ TOL = 1e-5
 A_BLOCKS = list(range(1, 11))  # 80 tokens
 B_BLOCKS = A_BLOCKS[:2] + list(range(11, 19))  # A's first two pages (positions 0..15), then its own
 C_BLOCKS = list(range(19, 35))
+D_BLOCKS = list(range(35, 38))
 
 
 def _prompt(seed: int, n: int, vocab: int) -> list[int]:
@@ -104,10 +107,12 @@ def drive(model, vocab: int, first_chunk_only: bool = False) -> Trace:
 def _script(model, vocab: int, trace: Trace, first_chunk_only: bool) -> None:
     from trnrt.config.engine_config import EngineConfig
     from trnrt.engine.output.outputs import CacheOp, RowInput
+    from trnrt.engine.sample.logits_processors import PROMPT_LOGPROBS
     from trnrt.engine.spec.runner import SpecModelRunner
 
     cfg = EngineConfig(block_size=BS, max_model_len=128, decode_batch_buckets=(1, 2, 4),
-                       prefill_token_buckets=(16, 32), num_blocks=40, num_slots=6, max_top_logprobs=1)
+                       prefill_token_buckets=(16, 32), num_blocks=40, num_slots=6, max_top_logprobs=2,
+                       variants=(PROMPT_LOGPROBS,))
     state = model.allocate_state(cfg.num_blocks, BS, cfg.num_slots, mtp=True)
     runner = SpecModelRunner(model, state, cfg, vocab, num_steps=K)
     runner.allocate_cache_tiers(2, 0, 0)
@@ -144,6 +149,10 @@ def _script(model, vocab: int, trace: Trace, first_chunk_only: bool) -> None:
         (rc,) = step(row([t], n, C_BLOCKS, 3, "c", speculative=True, spec_decode=True, num_lookahead=K))
         emitted = [rc.token_id, *rc.extra_token_ids]
         t, n = emitted[-1], n + len(emitted)
+    pd = _prompt(4, 20, vocab)
+    (td,) = step(row(pd, 0, D_BLOCKS, 4, "d", prompt_next_ids=pd[1:] + [0], num_prompt_logprobs=2))
+    assert td.prompt_logprobs is not None and len(td.prompt_logprobs) == len(pd)  # the prompt variant ran
+    trace.tokens += [t for p in td.prompt_logprobs[:-1] for t, _ in p.top]  # the prompt's top-2 ids
 
 
 def _compare(ref: Trace, got: Trace) -> dict:

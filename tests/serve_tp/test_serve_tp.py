@@ -136,6 +136,25 @@ def test_variant_graphs_at_tp2(any_server, tokenizer):
     assert _engine(any_server)["parallel"]["agreement"]["mismatches"] == 0
 
 
+def test_prompt_logprobs_at_tp2(any_server):
+    """An echo with logprobs runs the prompt-logprobs prefill graph on both ranks: its first
+    sampled token comes from the last hidden state through the (vocab-parallel) head, so it must
+    equal the plain prefill's, and the ranks agree on it (a rank-local head would sample an id of
+    its own vocabulary slice: the two-node README run found that)."""
+    prompt = "The capital of France is"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 1}
+    status, echoed = any_server.post("/v1/completions", {**body, "echo": True})
+    assert status == 200, echoed
+    status, plain = any_server.post("/v1/completions", body)
+    assert status == 200, plain
+    lp = echoed["choices"][0]["logprobs"]
+    n_prompt = echoed["usage"]["prompt_tokens"]
+    assert echoed["choices"][0]["text"].startswith(prompt) and len(lp["token_logprobs"]) == n_prompt + 4, echoed
+    assert lp["token_logprobs"][0] is None and all(isinstance(x, float) for x in lp["token_logprobs"][1:]), lp
+    assert lp["tokens"][n_prompt:] == plain["choices"][0]["logprobs"]["tokens"], (echoed, plain)
+    assert _engine(any_server)["parallel"]["agreement"]["mismatches"] == 0
+
+
 def test_abort_and_disconnect_leave_every_rank_idle(any_server):
     """A streaming /generate aborted by rid (/abort_request) and one whose client hangs up, both
     speculative, mid-stream: both end, the engine is idle (no page or slot held), every rank's

@@ -11,7 +11,6 @@ workers, each starting its own module fixture; one function pays for exactly one
 
 from __future__ import annotations
 
-import pytest
 
 import contextlib
 import http.client
@@ -204,9 +203,6 @@ def start_two_nodes(flags: list[str]) -> tuple[ServeProcess, NodeProcess]:
     return node0, node1
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN BUG (open, issue #31): at tp 2 / ep 2 over two nodes the ranks' "
-                   "sampled-token digests disagree (113 of 162 checks on 2026-12-06); the README examples and "
-                   "/server_info pass before that assertion. Remove this mark when fixed.")
 def test_two_nodes_answer_the_readme_then_die_together():
     flags, curls, pys = readme_examples()
     found = {curl_request(c)[1].split("?")[0] for c in curls}

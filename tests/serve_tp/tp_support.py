@@ -20,6 +20,7 @@ SERVER_FLAGS = (
     "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",  # MTP: greedy / sampled requests speculate
     "--penalties", "--structured-outputs",  # the variant graphs (such requests run plain steps)
     "--enable-priority-scheduling", "--max-running-requests", str(MAX_RUNNING),  # priority preemption
+    "--prompt-logprobs",  # echo + logprobs: the prompt-logprobs prefill graph
 )
 
 

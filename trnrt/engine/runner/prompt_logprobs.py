@@ -22,7 +22,6 @@ next prompt token (the prompt's last, padding) carry any id and are ignored by t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from trnrt.engine.runner.step import STEP_INPUT_NAMES, StepFunction
 
@@ -66,7 +65,8 @@ class PromptLogprobsStepFunction(StepFunction):
         out = self.model(batch, self.state, all_logits=True)  # logits [B, S, V], hidden [B, D] at the last token
         # the sampled token: the base graph's arithmetic (last hidden state -> head), not a row
         # of the all-position GEMM, so it samples exactly what the base prefill samples
-        last = F.linear(out.hidden, self.model.head_weight()).float()  # [B, V]
+        # (head_logits: at TP > 1 the rank's vocabulary slice all-gathered to [B, V])
+        last = self.model.head_logits(out.hidden)  # [B, V]
         last = apply_processors(self.processors, last, extra)
         sampled = self.sample_logits(last, *base)
         return (*sampled, *prompt_logprobs(out.logits, next_ids, self.num_top_logprobs))

@@ -105,6 +105,12 @@ class Glm5NextForServing(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [.., D] -> fp32 logits [.., V] over the whole vocabulary, for a caller outside
+        the forward (the prompt-logprobs step samples from the last hidden state): a rank model
+        (rank_model.RankForServing) overrides it to all-gather its vocabulary slice."""
+        return F.linear(hidden, self.head_weight()).float()
+
     def allocate_state(self, num_blocks: int, block_size: int, num_slots: int, mtp: bool = False) -> ModelState:
         """ModelState in this model's dtype and device. mtp: also the MTP layer's own stack
         (`state.mtp`); needs a model loaded with its MTP layer."""

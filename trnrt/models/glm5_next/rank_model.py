@@ -102,6 +102,11 @@ class RankForServing(Glm5NextForServing):
         hidden = self.norm(st.mean(1))  # [B,D]
         return ModelOutput(logits=vocab_parallel_logits(hidden, head, self.ctx), hidden=hidden)  # [B,V]
 
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [.., D] -> fp32 logits [.., V]: the rank's [.., V/t] slice all-gathered, so every
+        rank samples from the whole vocabulary (a local F.linear would sample a rank-local id)."""
+        return vocab_parallel_logits(hidden, self.head_weight(), self.ctx)
+
 
 class RankMTP(Glm5NextMTP):
     """Glm5NextMTP of one rank at tp_size > 1: rank-local MLA heads and MoE, its own embedding /
