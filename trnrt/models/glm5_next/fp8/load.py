@@ -22,7 +22,7 @@ from ..config import ConfigError, Glm5NextConfig, Glm5NextMTPConfig
 from ..model import Glm5NextForServing
 from ..moe import Experts
 from ..weights import CheckpointError, is_fp32_param, read_safetensors
-from . import names, qconfig
+from . import backend, names, qconfig
 from .blocks import FP8_DTYPE
 from .checkpoint import quantize_raw
 from .modules import Fp8Experts, Fp8Linear
@@ -72,6 +72,7 @@ def load_fp8_model(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, d
             for proj, (q, s) in stacks.items():
                 sd[f"{path}.{proj}_q"], sd[f"{path}.{proj}_scale_inv"] = q, s
     _assign(model, sd, dtype, device)
+    backend.select(torch.device(device))  # how FP8 weights multiply on this device (logged once)
     total = sum(weight_bytes(model).values())
     fp8 = sum(p.nbytes for p in model.parameters() if p.dtype == FP8_DTYPE)
     scales = sum(p.nbytes for n, p in model.named_parameters() if n.endswith("_scale_inv"))
