@@ -218,8 +218,7 @@ def _rank_buffers(model: torch.nn.Module, device: torch.device) -> None:
             n = mod.config.vocab_size // ctx.tp_size
             mod.vocab_start = torch.tensor(ctx.tp_rank * n, dtype=torch.int64, device=device)
         elif isinstance(mod, ParallelMoE) and "expert_start" in mod._buffers:
-            n = mod.experts.gate_up_proj.shape[0]  # experts on this rank
-            mod.expert_start = torch.tensor(ctx.ep_rank * n, dtype=torch.int64, device=device)
+            mod.expert_start = torch.tensor(ctx.ep_rank * mod.n_local_experts, dtype=torch.int64, device=device)
         for name, b in mod.named_buffers(recurse=False):
             if b is not None and b.device.type == "meta":
                 raise RuntimeError(f"buffer {name!r} of {type(mod).__name__} is still on meta after loading")
@@ -254,10 +253,18 @@ def read_rank_state_dict(model_dir: str | Path, cfg: Glm5NextConfig, ctx: Parall
 
 
 def load_rank_model(model_dir: str | Path, dtype: torch.dtype, ctx: ParallelContext, load_mtp: bool = False,
-                    device: str | torch.device = "cpu", read: ReadFn | None = None) -> Glm5NextForServing:
+                    device: str | torch.device = "cpu", read: ReadFn | None = None,
+                    quantization: str | None = None) -> Glm5NextForServing:
     """`weights.load_model` for one rank: config.json, the rank's shard (`read`, by default
     read_rank_state_dict), dtype with the fp32 rules, build_rank_model. At ctx.tp_size == 1 the
-    result is the model load_model returns."""
+    result is the model load_model returns. An FP8 checkpoint, or quantization "fp8", takes
+    fp8.rank_load.load_fp8_rank_model (FP8 weights and their scale shards; `read` is not used)."""
+    from .fp8.load import wants_fp8
+
+    if wants_fp8(model_dir, quantization):
+        from .fp8.rank_load import load_fp8_rank_model
+
+        return load_fp8_rank_model(model_dir, dtype, ctx, load_mtp=load_mtp, device=device, quantization=quantization)
     cfg = Glm5NextConfig.from_pretrained(model_dir)
     mtp_cfg = Glm5NextMTPConfig.from_pretrained(model_dir)
     if load_mtp and mtp_cfg.num_nextn_predict_layers != 1:
