@@ -26,12 +26,17 @@ class RankSetup:
     """What every rank builds its runner from (rank 0 broadcasts it once, before loading).
 
     spec_steps: k of speculative decoding (SpecModelRunner, the MTP layer loaded); None: plain.
+    quantization: "fp8" quantizes a bf16 checkpoint per block at load (an FP8 checkpoint is FP8
+    without it): the FP8 rank model (glm5_next.fp8.rank_load). kv_cache_dtype: "fp8_e4m3" stores
+    the (replicated) MLA latents and indexer keys in FP8 on every rank.
     """
 
     model_dir: str
     engine_config: EngineConfig
     spec_steps: int | None = None
     device: str = "cpu"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
 
 def rank_model_available() -> bool:
@@ -53,7 +58,13 @@ def load_rank(setup: RankSetup, ctx, dtype):
     if rank_model_available():
         from trnrt.models.glm5_next.rank_model import load_rank_model
 
-        return load_rank_model(setup.model_dir, dtype, ctx, load_mtp=load_mtp, device=setup.device)
+        return load_rank_model(setup.model_dir, dtype, ctx, load_mtp=load_mtp, device=setup.device,
+                               quantization=setup.quantization)
+    if setup.quantization:  # the replicated fallback: the whole FP8 model on every rank
+        from trnrt.models.glm5_next.loading import load_model as load_any
+
+        return load_any(setup.model_dir, dtype=dtype, device=setup.device, load_mtp=load_mtp,
+                        quantization=setup.quantization)
     from trnrt.models.glm5_next.weights import load_model
 
     return load_model(setup.model_dir, dtype=dtype, device=setup.device, load_mtp=load_mtp)
@@ -84,6 +95,13 @@ def build_runner(setup: RankSetup, ctx, ranks_per_node: int = 1):
     model = load_rank(setup, ctx, dtype)
     mtp = setup.spec_steps is not None
     state = allocate_state(model, ecfg, dtype, setup.device, mtp)
+    from trnrt.models.glm5_next.fp8.kv_dtype import resolve_kv_cache_dtype
+
+    if resolve_kv_cache_dtype(setup.kv_cache_dtype, dtype) == torch.float8_e4m3fn:  # as at TP=1 (engine_builder)
+        from trnrt.models.glm5_next.fp8.kv_cache import to_fp8_kv_state, use_fp8_kv_cache
+
+        use_fp8_kv_cache(model)
+        state = to_fp8_kv_state(state)
     vocab = model.config.vocab_size
     if not mtp:
         runner = ModelRunner(model, state, ecfg, vocab)

@@ -109,6 +109,33 @@ def build_fp8_rank_model(cfg, mtp_cfg, parts: names.Fp8Tensors, qc: qconfig.Quan
     return model
 
 
+def check_fp8_layout(model_dir: str | Path, tp_size: int, ep_size: int = 1, quantization: str | None = None,
+                     load_mtp: bool = False) -> None:
+    """Refuse, before any weight is read, a layout whose cut would split an FP8 scale block: the
+    checkpoint's headers as meta tensors through the loader's own split and cut (ShardingError
+    naming the tensor, as the load would raise on every rank). Not FP8: nothing to check."""
+    from ..fp8.load import wants_fp8
+    from ..safetensors_pread import SafetensorsFile
+    from ..sharded_load import checkpoint_files
+
+    if tp_size == 1 or not wants_fp8(model_dir, quantization):
+        return
+    raw: dict[str, torch.Tensor] = {}
+    where = checkpoint_files(model_dir)
+    for path in sorted(set(where.values())):
+        with SafetensorsFile(path) as f:  # headers only: each file opened once
+            for key in (k for k, p in where.items() if p == path):
+                sl = f.get_slice(key)
+                raw[key] = torch.empty(tuple(sl.get_shape()), dtype=sl.dtype, device="meta")
+    cfg, _ = _configs(model_dir)
+    qc = qconfig.read(model_dir)
+    if qc is None:
+        qc = qconfig.QuantConfig()
+        raw = quantize_raw(raw, qc)
+    parts = names.split(raw, cfg, qc, load_mtp)
+    shard_fp8_tensors(parts, cfg, ParallelContext.for_rank(tp_size, 0, ep_size=ep_size), qc.block)
+
+
 def load_fp8_rank_model(model_dir: str | Path, dtype: torch.dtype, ctx: ParallelContext, load_mtp: bool = False,
                         device: str | torch.device = "cpu", quantization: str | None = None,
                         online_block: tuple[int, int] = DEFAULT_BLOCK) -> Glm5NextForServing:
