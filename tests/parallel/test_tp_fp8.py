@@ -66,7 +66,9 @@ def test_fp8_rank_model_equals_fp8_tp1(ranks, layout):
 
 # ---------------------------------------------------------------------- one process
 def test_a_layout_that_splits_a_scale_block_is_refused_naming_the_tensor():
-    """The release's 128-blocks over the tiny dims: TP=2 would give a rank 64 of a 128-block."""
+    """The release's 128-blocks over the tiny dims: TP=2 would give a rank 64 of a 128-block.
+    Refused by the load, and before it from the headers alone (what serve runs before the ranks)."""
+    from trnrt.models.glm5_next.fp8.rank_load import check_fp8_layout
     from trnrt.models.glm5_next.rank_model import load_rank_model
     from trnrt.models.tiny import default_model_dir
     from trnrt.parallel.context import ParallelContext
@@ -75,6 +77,10 @@ def test_a_layout_that_splits_a_scale_block_is_refused_naming_the_tensor():
     with pytest.raises(ShardingError) as e:
         load_rank_model(default_model_dir(), torch.float32, ParallelContext.for_rank(2, 0), quantization="fp8")
     assert e.value.tensor.endswith(".weight") and "128-blocks" in str(e.value) and "--tp-size" in str(e.value)
+    with pytest.raises(ShardingError) as pre:
+        check_fp8_layout(default_model_dir(), 2, 1, quantization="fp8")
+    assert pre.value.tensor == e.value.tensor
+    check_fp8_layout(default_model_dir(), 2, 1)  # bf16, no quantization: nothing to check
 
 
 def test_online_fp8_shards_equal_the_fp8_checkpoints(fp8_dir):
