@@ -69,13 +69,13 @@ def test_a_layout_that_splits_a_scale_block_is_refused_naming_the_tensor():
     """The release's 128-blocks over the tiny dims: TP=2 would give a rank 64 of a 128-block.
     Refused by the load, and before it from the headers alone (what serve runs before the ranks)."""
     from trnrt.models.glm5_next.fp8.rank_load import check_fp8_layout
-    from trnrt.models.glm5_next.rank_model import load_rank_model
+    from trnrt.models.glm5_next.fp8.rank_load import load_fp8_rank_model
     from trnrt.models.tiny import default_model_dir
     from trnrt.parallel.context import ParallelContext
     from trnrt.parallel.shard import ShardingError
 
     with pytest.raises(ShardingError) as e:
-        load_rank_model(default_model_dir(), torch.float32, ParallelContext.for_rank(2, 0), quantization="fp8")
+        load_fp8_rank_model(default_model_dir(), torch.float32, ParallelContext.for_rank(2, 0), quantization="fp8")
     assert e.value.tensor.endswith(".weight") and "128-blocks" in str(e.value) and "--tp-size" in str(e.value)
     with pytest.raises(ShardingError) as pre:
         check_fp8_layout(default_model_dir(), 2, 1, quantization="fp8")
@@ -87,13 +87,12 @@ def test_online_fp8_shards_equal_the_fp8_checkpoints(fp8_dir):
     """`--quantization fp8` of the bf16 checkpoint (here per 16-block) and the FP8 checkpoint
     written from it give a rank the same FP8 weights and scales, bit for bit, and bf16 elsewhere."""
     from trnrt.models.glm5_next.fp8.rank_load import load_fp8_rank_model
-    from trnrt.models.glm5_next.rank_model import load_rank_model
     from trnrt.models.tiny import default_model_dir
     from trnrt.parallel.context import ParallelContext
 
     ctx = ParallelContext.for_rank(2, 1, ep_size=2)  # no group: built, not run
     online = load_fp8_rank_model(default_model_dir(), torch.float32, ctx, quantization="fp8", online_block=BLOCK)
-    stored = load_rank_model(fp8_dir, torch.float32, ctx)
+    stored = load_fp8_rank_model(fp8_dir, torch.float32, ctx)
     a, b = online.state_dict(), stored.state_dict()
     assert list(a) == list(b)
     fp8 = [k for k in a if k.endswith(("qweight", "_q", "_scale_inv"))]

@@ -80,7 +80,7 @@ def run_fp8_checks(ctx, model_dir: str, layouts: list[list]) -> dict:
     comparison with the FP8 TP=1 model over the same kv cache dtype, and the FP8 bytes of the rank."""
     from trnrt.models import kernels
     from trnrt.models.glm5_next.fp8.blocks import FP8_DTYPE
-    from trnrt.models.glm5_next.rank_model import load_rank_model
+    from trnrt.models.glm5_next.fp8.rank_load import load_fp8_rank_model
     from trnrt.parallel.context import ParallelContext
 
     t0 = time.monotonic()
@@ -90,11 +90,11 @@ def run_fp8_checks(ctx, model_dir: str, layouts: list[list]) -> dict:
     out: dict = {"layouts": {}}
     for tp, ep, kv in layouts:
         if kv not in refs:  # the TP=1 FP8 model (load_fp8_model) over this cache dtype
-            ref_model = load_rank_model(model_dir, f32, ParallelContext.single())
+            ref_model = load_fp8_rank_model(model_dir, f32, ParallelContext.single())
             out["ref_fp8_bytes"] = sum(p.nbytes for p in ref_model.parameters() if p.dtype == FP8_DTYPE)
             refs[kv] = drive(ref_model, ref_model.config.vocab_size, kv)
         c = ParallelContext(tp_size=tp, tp_rank=ctx.tp_rank, ep_size=ep, group=ctx.group)
-        model = load_rank_model(model_dir, f32, c)
+        model = load_fp8_rank_model(model_dir, f32, c)
         row = _compare(refs[kv], drive(model, model.config.vocab_size, kv))
         row["ref_forwards"], row["ref_tokens"] = len(refs[kv].logits), len(refs[kv].tokens)
         row["fp8_bytes"] = sum(p.nbytes for p in model.parameters() if p.dtype == FP8_DTYPE)

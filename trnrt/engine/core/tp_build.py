@@ -56,10 +56,15 @@ def load_rank(setup: RankSetup, ctx, dtype):
     """The model of `ctx`'s rank (see the module doc)."""
     load_mtp = setup.spec_steps is not None
     if rank_model_available():
+        from trnrt.models.glm5_next.fp8.load import wants_fp8
         from trnrt.models.glm5_next.rank_model import load_rank_model
 
-        return load_rank_model(setup.model_dir, dtype, ctx, load_mtp=load_mtp, device=setup.device,
-                               quantization=setup.quantization)
+        if wants_fp8(setup.model_dir, setup.quantization):  # FP8 weights + their scale shards per rank
+            from trnrt.models.glm5_next.fp8.rank_load import load_fp8_rank_model
+
+            return load_fp8_rank_model(setup.model_dir, dtype, ctx, load_mtp=load_mtp, device=setup.device,
+                                       quantization=setup.quantization)
+        return load_rank_model(setup.model_dir, dtype, ctx, load_mtp=load_mtp, device=setup.device)
     if setup.quantization:  # the replicated fallback: the whole FP8 model on every rank
         from trnrt.models.glm5_next.loading import load_model as load_any
 

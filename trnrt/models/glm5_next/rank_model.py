@@ -253,18 +253,11 @@ def read_rank_state_dict(model_dir: str | Path, cfg: Glm5NextConfig, ctx: Parall
 
 
 def load_rank_model(model_dir: str | Path, dtype: torch.dtype, ctx: ParallelContext, load_mtp: bool = False,
-                    device: str | torch.device = "cpu", read: ReadFn | None = None,
-                    quantization: str | None = None) -> Glm5NextForServing:
+                    device: str | torch.device = "cpu", read: ReadFn | None = None) -> Glm5NextForServing:
     """`weights.load_model` for one rank: config.json, the rank's shard (`read`, by default
     read_rank_state_dict), dtype with the fp32 rules, build_rank_model. At ctx.tp_size == 1 the
-    result is the model load_model returns. An FP8 checkpoint, or quantization "fp8", takes
-    fp8.rank_load.load_fp8_rank_model (FP8 weights and their scale shards; `read` is not used)."""
-    from .fp8.load import wants_fp8
-
-    if wants_fp8(model_dir, quantization):
-        from .fp8.rank_load import load_fp8_rank_model
-
-        return load_fp8_rank_model(model_dir, dtype, ctx, load_mtp=load_mtp, device=device, quantization=quantization)
+    result is the model load_model returns. FP8 (a checkpoint's quantization_config, or
+    quantization "fp8"): fp8.rank_load.load_fp8_rank_model, which builds on this module."""
     cfg = Glm5NextConfig.from_pretrained(model_dir)
     mtp_cfg = Glm5NextMTPConfig.from_pretrained(model_dir)
     if load_mtp and mtp_cfg.num_nextn_predict_layers != 1:

@@ -38,12 +38,13 @@ from trnrt.parallel.context import ParallelContext
 from ..config import ConfigError
 from ..model import Glm5NextForServing
 from ..moe import Experts
+from ..rank_model import _rank_buffers, _skeleton
 from ..sharding import expert_config, shard_state_dict
 from ..weights import read_safetensors
 from . import names, qconfig
 from .blocks import DEFAULT_BLOCK, FP8_DTYPE
 from .checkpoint import quantize_raw
-from .load import _assign, _child, _configs, _replace, load_fp8_model, prepare_fp8
+from .load import _assign, _child, _configs, _replace, load_fp8_model, prepare_fp8, wants_fp8
 from .modules import Fp8Experts, Fp8Linear
 from .shard import fp8_rule, shard_fp8
 
@@ -86,8 +87,6 @@ def read_fp8_parts(model_dir: str | Path, cfg, load_mtp: bool, quantization: str
 def build_fp8_rank_model(cfg, mtp_cfg, parts: names.Fp8Tensors, qc: qconfig.QuantConfig, ctx: ParallelContext,
                          dtype: torch.dtype, device: str | torch.device = "cpu") -> Glm5NextForServing:
     """The rank's model from the checkpoint's parts (see the module doc): eval, frozen, prepared."""
-    from ..rank_model import _rank_buffers, _skeleton  # rank_model imports this module lazily
-
     sd = shard_fp8_tensors(parts, cfg, ctx, qc.block)
     model = _skeleton(cfg, ctx, mtp_cfg, set(sd))
     with torch.device("meta"):
@@ -114,7 +113,6 @@ def check_fp8_layout(model_dir: str | Path, tp_size: int, ep_size: int = 1, quan
     """Refuse, before any weight is read, a layout whose cut would split an FP8 scale block: the
     checkpoint's headers as meta tensors through the loader's own split and cut (ShardingError
     naming the tensor, as the load would raise on every rank). Not FP8: nothing to check."""
-    from ..fp8.load import wants_fp8
     from ..safetensors_pread import SafetensorsFile
     from ..sharded_load import checkpoint_files
 
