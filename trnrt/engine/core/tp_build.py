@@ -3,7 +3,8 @@ them, built the same way on rank 0 and on every worker from one picklable RankSe
 
 The model is `trnrt.models.glm5_next.rank_model.load_rank_model(model_dir, dtype, ctx,
 load_mtp, device)` (the rank's shards; logits all-gathered to the full vocabulary) where that
-module exists; otherwise (`REPLICATED_FALLBACK`) every rank loads the whole TP=1 model, which
+module exists, `fp8.rank_load.load_fp8_rank_model` for FP8 weights (an FP8 checkpoint or
+`quantization="fp8"`; `kv_cache_dtype="fp8_e4m3"` re-classes its MLA to the FP8-cache forms); otherwise (`REPLICATED_FALLBACK`) every rank loads the whole TP=1 model, which
 runs the same steps and samples the same tokens on every rank: the process model, the broadcast,
 the agreement check and the death handling are then exercised without any sharding.
 """
@@ -65,14 +66,10 @@ def load_rank(setup: RankSetup, ctx, dtype):
             return load_fp8_rank_model(setup.model_dir, dtype, ctx, load_mtp=load_mtp, device=setup.device,
                                        quantization=setup.quantization)
         return load_rank_model(setup.model_dir, dtype, ctx, load_mtp=load_mtp, device=setup.device)
-    if setup.quantization:  # the replicated fallback: the whole FP8 model on every rank
-        from trnrt.models.glm5_next.loading import load_model as load_any
+    from trnrt.models.glm5_next.loading import load_model  # bf16 as weights.load_model, or the whole FP8 model
 
-        return load_any(setup.model_dir, dtype=dtype, device=setup.device, load_mtp=load_mtp,
-                        quantization=setup.quantization)
-    from trnrt.models.glm5_next.weights import load_model
-
-    return load_model(setup.model_dir, dtype=dtype, device=setup.device, load_mtp=load_mtp)
+    return load_model(setup.model_dir, dtype=dtype, device=setup.device, load_mtp=load_mtp,
+                      quantization=setup.quantization)
 
 
 def allocate_state(model, ecfg: EngineConfig, dtype, device: str, mtp: bool):
