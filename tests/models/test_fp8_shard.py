@@ -41,3 +41,13 @@ def test_a_tp_degree_that_splits_a_block_is_refused():
     with pytest.raises(ShardingError) as e:
         shard_fp8(name, q, s, (128, 128), fp8_rule(name, CFG), ParallelContext(tp_size=2, tp_rank=0))
     assert e.value.tensor == name and "128-blocks" in str(e.value)
+
+
+def test_an_expert_split_that_cuts_a_block_suggests_ep():
+    name = "layers.1.mlp.experts.down"  # [E, D, I]: I over moe_tp
+    q, s = blocks.quantize(torch.randn(8, 64, 32), (16, 32))
+    with pytest.raises(ShardingError) as e:
+        shard_fp8(name, q, s, (16, 32), fp8_rule(name, CFG), ParallelContext(tp_size=2, tp_rank=1))
+    assert e.value.tensor == name and "--ep-size" in str(e.value)
+    qs, ss = shard_fp8(name, q, s, (16, 32), fp8_rule(name, CFG), ParallelContext(tp_size=2, tp_rank=1, ep_size=2))
+    assert qs.shape == (4, 64, 32) and torch.equal(ss, s[4:])  # EP: whole experts, their whole grids

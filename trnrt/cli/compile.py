@@ -100,8 +100,8 @@ def compile_cmd(
         err.print(f"[red]error:[/red] --quantization must be fp8 (or left out), got {quantization!r}")
         raise typer.Exit(2)
     if (quantization or kv_cache_dtype != "auto") and tp_size > 1:
-        err.print("[red]error:[/red] --quantization / --kv-cache-dtype with --tp-size > 1 are not wired yet (the "
-                  "rank model loads bf16 / fp32 weights and caches)")
+        err.print("[red]error:[/red] --quantization / --kv-cache-dtype with --tp-size > 1: compiled FP8 graphs per "
+                  "rank are not built yet (`trnrt serve --tp-size N` runs FP8 weights and the FP8 KV cache eagerly)")
         raise typer.Exit(2)
 
     from trnrt.compile.backends import get_backend

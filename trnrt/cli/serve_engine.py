@@ -113,15 +113,19 @@ def build_engine(args: ServerArgs):
         typer.echo("trnrt serve: the engine (trnrt.engine.core.engine) is not available in this build", err=True)
         raise typer.Exit(1)
 
-    fp8 = args.quantization or args.kv_cache_dtype == "fp8_e4m3"
     parallel = args.parallel_config()
     if parallel.enabled:  # eager per rank (compiled TP graphs are built by trnrt compile, not loaded yet)
         if args.compiled:
             raise typer.BadParameter("--tp-size > 1 runs eagerly; compiled graphs per rank are not loaded yet",
                                      param_hint="--compiled")
-        if fp8:
-            raise typer.BadParameter("--tp-size > 1 with FP8 is not wired yet", param_hint="--quantization")
-        loader = None
+        from trnrt.models.glm5_next.fp8.rank_load import check_fp8_layout
+        from trnrt.parallel.shard import ShardingError
+
+        try:  # FP8 weights at TP > 1: refuse a layout that splits a scale block before any rank starts
+            check_fp8_layout(model_dir, parallel.tp_size, parallel.ep_size, args.quantization)
+        except ShardingError as e:
+            raise typer.BadParameter(str(e), param_hint="--tp-size / --ep-size") from None
+        loader = None  # FP8 weights / KV cache at TP > 1: the FP8 rank model, eager (tp_build.RankSetup)
     elif args.compiled:
         loader = compiled_loader(args.compiled, args.backend)
     else:

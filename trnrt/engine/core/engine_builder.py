@@ -133,13 +133,16 @@ class EngineBuilderMixin:
         if parallel is not None and parallel.enabled:
             if compiled_loader is not None or drafter_factory is not None:
                 raise ValueError("--tp-size > 1 runs eagerly (compiled graphs per rank: issue #31 item 5)")
-            if quantization or kv_cache_dtype == "fp8_e4m3":
-                raise ValueError("--tp-size > 1 with FP8 (--quantization / --kv-cache-dtype fp8_e4m3) is not "
-                                 "wired yet: the rank model loads bf16 / fp32 weights")
             from trnrt.engine.core.tp_build import RankSetup
             from trnrt.engine.core.tp_launch import start_rank_zero
+            from trnrt.models.glm5_next.fp8.kv_dtype import resolve_kv_cache_dtype
 
-            setup = RankSetup(str(path), ecfg, speculative.num_steps if speculative is not None else None, device)
+            from trnrt.models.glm5_next.fp8.rank_load import check_fp8_layout
+
+            resolve_kv_cache_dtype(kv_cache_dtype, dtype)  # bad values fail here, before any rank starts
+            check_fp8_layout(path, parallel.tp_size, parallel.ep_size, quantization)  # a split scale block
+            setup = RankSetup(str(path), ecfg, speculative.num_steps if speculative is not None else None, device,
+                              quantization=quantization, kv_cache_dtype=kv_cache_dtype)
             runner = start_rank_zero(parallel, setup)  # torch threads resolved per rank there
             model, compiled = runner.model, None
             mcfg = model.config

@@ -3,7 +3,8 @@ them, built the same way on rank 0 and on every worker from one picklable RankSe
 
 The model is `trnrt.models.glm5_next.rank_model.load_rank_model(model_dir, dtype, ctx,
 load_mtp, device)` (the rank's shards; logits all-gathered to the full vocabulary) where that
-module exists; otherwise (`REPLICATED_FALLBACK`) every rank loads the whole TP=1 model, which
+module exists, `fp8.rank_load.load_fp8_rank_model` for FP8 weights (an FP8 checkpoint or
+`quantization="fp8"`; `kv_cache_dtype="fp8_e4m3"` re-classes its MLA to the FP8-cache forms); otherwise (`REPLICATED_FALLBACK`) every rank loads the whole TP=1 model, which
 runs the same steps and samples the same tokens on every rank: the process model, the broadcast,
 the agreement check and the death handling are then exercised without any sharding.
 """
@@ -26,12 +27,17 @@ class RankSetup:
     """What every rank builds its runner from (rank 0 broadcasts it once, before loading).
 
     spec_steps: k of speculative decoding (SpecModelRunner, the MTP layer loaded); None: plain.
+    quantization: "fp8" quantizes a bf16 checkpoint per block at load (an FP8 checkpoint is FP8
+    without it): the FP8 rank model (glm5_next.fp8.rank_load). kv_cache_dtype: "fp8_e4m3" stores
+    the (replicated) MLA latents and indexer keys in FP8 on every rank.
     """
 
     model_dir: str
     engine_config: EngineConfig
     spec_steps: int | None = None
     device: str = "cpu"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
 
 def rank_model_available() -> bool:
@@ -51,12 +57,19 @@ def load_rank(setup: RankSetup, ctx, dtype):
     """The model of `ctx`'s rank (see the module doc)."""
     load_mtp = setup.spec_steps is not None
     if rank_model_available():
+        from trnrt.models.glm5_next.fp8.load import wants_fp8
         from trnrt.models.glm5_next.rank_model import load_rank_model
 
-        return load_rank_model(setup.model_dir, dtype, ctx, load_mtp=load_mtp, device=setup.device)
-    from trnrt.models.glm5_next.weights import load_model
+        if wants_fp8(setup.model_dir, setup.quantization):  # FP8 weights + their scale shards per rank
+            from trnrt.models.glm5_next.fp8.rank_load import load_fp8_rank_model
 
-    return load_model(setup.model_dir, dtype=dtype, device=setup.device, load_mtp=load_mtp)
+            return load_fp8_rank_model(setup.model_dir, dtype, ctx, load_mtp=load_mtp, device=setup.device,
+                                       quantization=setup.quantization)
+        return load_rank_model(setup.model_dir, dtype, ctx, load_mtp=load_mtp, device=setup.device)
+    from trnrt.models.glm5_next.loading import load_model  # bf16 as weights.load_model, or the whole FP8 model
+
+    return load_model(setup.model_dir, dtype=dtype, device=setup.device, load_mtp=load_mtp,
+                      quantization=setup.quantization)
 
 
 def allocate_state(model, ecfg: EngineConfig, dtype, device: str, mtp: bool):
@@ -84,6 +97,13 @@ def build_runner(setup: RankSetup, ctx, ranks_per_node: int = 1):
     model = load_rank(setup, ctx, dtype)
     mtp = setup.spec_steps is not None
     state = allocate_state(model, ecfg, dtype, setup.device, mtp)
+    from trnrt.models.glm5_next.fp8.kv_dtype import resolve_kv_cache_dtype
+
+    if resolve_kv_cache_dtype(setup.kv_cache_dtype, dtype) == torch.float8_e4m3fn:  # as at TP=1 (engine_builder)
+        from trnrt.models.glm5_next.fp8.kv_cache import to_fp8_kv_state, use_fp8_kv_cache
+
+        use_fp8_kv_cache(model)
+        state = to_fp8_kv_state(state)
     vocab = model.config.vocab_size
     if not mtp:
         runner = ModelRunner(model, state, ecfg, vocab)

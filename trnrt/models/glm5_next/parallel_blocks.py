@@ -87,8 +87,11 @@ class ParallelMoE(MoE):
     def __init__(self, cfg: Glm5NextConfig, ctx: ParallelContext):
         super().__init__(local_config(cfg, ctx))  # router over all E; shared expert and TP experts I / t
         self.ctx = ctx
+        ecfg = expert_config(cfg, ctx)
+        # experts on this rank, a Python int: reading it off the stack's shape would dequantize a
+        # whole FP8 stack (Fp8Experts.gate_up_proj is a property) just for its length
+        self.n_local_experts = ecfg.n_routed_experts
         if ctx.ep_size > 1:  # replace the TP experts (built like load_model, on meta: no memory)
-            ecfg = expert_config(cfg, ctx)
             self.experts = Experts(ecfg)  # [E/ep, 2I/moe_tp, D], [E/ep, D, I/moe_tp]
             start = torch.tensor(ctx.ep_rank * ecfg.n_routed_experts, dtype=torch.int64)
             self.register_buffer("expert_start", start, persistent=False)
@@ -113,7 +116,7 @@ class ParallelMoE(MoE):
     def local_routed(self, flat: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, form: str) -> torch.Tensor:
         """The owned experts' share of the routed output: flat [T,D], w/idx [T,k] -> [T,D]."""
         T = flat.shape[0]
-        n = self.experts.gate_up_proj.shape[0]  # experts on this rank
+        n = self.n_local_experts
         own = torch.arange(n, device=flat.device)
         if form == "dense":
             # Experts.dense scatters (w, idx) into [T, E]; scatter is not duplicate-safe, so hand it

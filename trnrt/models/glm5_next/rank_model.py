@@ -218,8 +218,7 @@ def _rank_buffers(model: torch.nn.Module, device: torch.device) -> None:
             n = mod.config.vocab_size // ctx.tp_size
             mod.vocab_start = torch.tensor(ctx.tp_rank * n, dtype=torch.int64, device=device)
         elif isinstance(mod, ParallelMoE) and "expert_start" in mod._buffers:
-            n = mod.experts.gate_up_proj.shape[0]  # experts on this rank
-            mod.expert_start = torch.tensor(ctx.ep_rank * n, dtype=torch.int64, device=device)
+            mod.expert_start = torch.tensor(ctx.ep_rank * mod.n_local_experts, dtype=torch.int64, device=device)
         for name, b in mod.named_buffers(recurse=False):
             if b is not None and b.device.type == "meta":
                 raise RuntimeError(f"buffer {name!r} of {type(mod).__name__} is still on meta after loading")
@@ -257,7 +256,8 @@ def load_rank_model(model_dir: str | Path, dtype: torch.dtype, ctx: ParallelCont
                     device: str | torch.device = "cpu", read: ReadFn | None = None) -> Glm5NextForServing:
     """`weights.load_model` for one rank: config.json, the rank's shard (`read`, by default
     read_rank_state_dict), dtype with the fp32 rules, build_rank_model. At ctx.tp_size == 1 the
-    result is the model load_model returns."""
+    result is the model load_model returns. FP8 (a checkpoint's quantization_config, or
+    quantization "fp8"): fp8.rank_load.load_fp8_rank_model, which builds on this module."""
     cfg = Glm5NextConfig.from_pretrained(model_dir)
     mtp_cfg = Glm5NextMTPConfig.from_pretrained(model_dir)
     if load_mtp and mtp_cfg.num_nextn_predict_layers != 1:

@@ -22,6 +22,7 @@ from ..batch import _Meta
 from ..indexer import Indexer, _decode_selection, index_probe
 from ..layers import select_topk, write_state
 from ..mla import MLAttention
+from ..parallel_blocks import ParallelMLA
 from ..state import ModelState
 from .blocks import FP8_DTYPE, FP8_MAX
 
@@ -115,13 +116,22 @@ class Fp8KvIndexer(Indexer):
         return tok_mask | meta.tail_mask | ~meta.valid.unsqueeze(-1)
 
 
+class Fp8KvParallelMLA(ParallelMLA, Fp8KvMLAttention):
+    """A rank's ParallelMLA over an FP8 latent cache (tp_size > 1): ParallelMLA.forward's super()
+    is Fp8KvMLAttention.forward here (MRO), so the rank's heads read and write the replicated FP8
+    latents and their partial output is all-reduced as without FP8. No code of its own."""
+
+
+_FP8_KV_CLASS = {MLAttention: Fp8KvMLAttention, Indexer: Fp8KvIndexer, ParallelMLA: Fp8KvParallelMLA}
+
+
 def use_fp8_kv_cache(model: nn.Module) -> None:
-    """Re-class every MLA layer and indexer of `model` (the MTP layer's too) to the FP8-cache forms."""
+    """Re-class every MLA layer and indexer of `model` (the MTP layer's too) to the FP8-cache forms
+    (a rank model's ParallelMLA to Fp8KvParallelMLA; its indexer is replicated, a plain Indexer)."""
     for mod in model.modules():
-        if type(mod) is MLAttention:
-            mod.__class__ = Fp8KvMLAttention
-        elif type(mod) is Indexer:
-            mod.__class__ = Fp8KvIndexer
+        new = _FP8_KV_CLASS.get(type(mod))
+        if new is not None:
+            mod.__class__ = new
 
 
 def to_fp8_kv_state(state):

@@ -5,7 +5,7 @@ by the same rule in block units. A rule that would give a rank part of a scale b
 rows or columns not a whole number of blocks, e.g. moe_intermediate 2048 at moe_tp 32: 64 of a
 128-block) is refused with a ShardingError naming the tensor: shard experts by EP there instead.
 Fp8Experts keep gate and up apart, so they take gate_up_proj's rule with one part each.
-Not wired into a loader yet (the sharded loader slices bf16 weights; this is its FP8 step).
+Used by fp8/rank_load.py (the FP8 rank model's loader).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def shard_fp8(name: str, q: torch.Tensor, scale: torch.Tensor, block: tuple[int,
         if blk > 1 and (rem or chunk % blk):
             raise ShardingError(name, f"{s.axis} size {size} gives each rank {q.shape[s.dim] / s.parts / size:g} "
                                       f"of dim {s.dim} ({q.shape[s.dim]}), not whole {blk}-blocks of the FP8 "
-                                      f"scales (weight_block_size {list(block)})")
+                                      f"scales (weight_block_size {list(block)}): choose a --tp-size that "
+                                      f"leaves whole blocks{', or --ep-size to own experts whole' if s.axis == 'moe_tp' else ''}")
         scale_rule.append(Split(s.dim, s.axis, s.parts, 1))
     return shard_tensor(q, rule, ctx, name), shard_tensor(scale, tuple(scale_rule), ctx, name + "_scale_inv")
