@@ -36,7 +36,7 @@ FAILED_OP = "failed"
 FAILURE_WAIT_ENV = "TRNRT_TP_FAILURE_WAIT_S"
 # Long enough for a loaded rank 0 to reach the same failure (the ranks start a call together and
 # run the same code up to it), short enough that a lone failure ends the server within ~10 s.
-DEFAULT_FAILURE_WAIT_S = 5.0
+DEFAULT_FAILURE_WAIT_S = 3.0
 # A worker whose call failed where rank 0's did not (its watchdog line on rank 0 says so).
 LONE_FAILURE_EXIT_CODE = 4
 
