@@ -281,7 +281,9 @@ def test_two_nodes_answer_the_readme_then_a_lone_failure_ends_both():
             time.sleep(0.1)
         assert not pid_alive(worker), "node 1's rank outlived its node"
     finally:
-        stop(node0)
-        node1.kill()
+        try:
+            stop(node0)
+        finally:  # node 1 never outlives the test, even when node 0 did not stop
+            node1.kill()
         if pid_alive(node1.rank_pids().get(1, -1)):
             os.kill(node1.rank_pids()[1], signal.SIGKILL)
