@@ -4,7 +4,9 @@ a prefix-cache hit, /server_info and /v1/stats' `parallel` section, and the rank
 every sampled token (checked after every step: TRNRT_TP_CHECK_EVERY=1). The server speculates
 (MTP, k = 2), serves penalties and structured outputs and schedules by priority
 (tp_support.SERVER_FLAGS), so MTP, the variant graphs, aborts and priority preemption are proved
-at TP 2 too (issue #31 item 2)."""
+at TP 2 too (issue #31 item 2); a step that raises on every rank fails only its request; the last
+test drains the server on SIGTERM. (A rank failing alone, or dying, ends a server: the two-node test
+and tests/engine/core/test_tp_launch.py, test_tp_failure.py.)"""
 
 from __future__ import annotations
 
