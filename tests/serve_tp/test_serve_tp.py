@@ -287,7 +287,8 @@ def test_drain_on_sigterm_finishes_the_stream_and_stops_every_rank(tp_server, an
     assert any(c["finish_reason"] == "length" for e in rest[:-1] for c in e["choices"]), rest[-3:]
     assert tp_server.wait(30) == 0, tp_server.output()[-3000:]
     log = tp_server.output()
-    closing = re.search(r"tensor-parallel ranks at close: agree after (\d+) steps .*; (\d+) checks, 0 mismatches\)", log)
+    closing = re.search(r"tensor-parallel ranks at close: agree after (\d+) steps .*; (\d+) checks, 0 mismatches\)",
+                        log)
     assert closing and "DISAGREE" not in log, log[-3000:]
     steps, checks = map(int, closing.groups())
     assert steps >= max_tokens // 3 and checks == steps + 1, closing.group(0)  # each step's check, and the close's

@@ -273,9 +273,9 @@ def test_two_nodes_answer_the_readme_then_a_lone_failure_ends_both():
         assert all(s == 503 for s in late), statuses
         assert "a tensor-parallel rank on another node is gone (node 1: rank 1)" in log, log[-4000:]
         assert node1.wait(10) == 3, node1.output()[-3000:]
-        assert ("tensor-parallel rank 1: 'execute' raised InjectedFault: injected test fault on rank 1 "
-                f"(seed {LONE_FAULT_SEED})") in node1.output() and "the failure is this rank's alone" in node1.output(), \
-            node1.output()[-3000:]
+        lone = (f"tensor-parallel rank 1: 'execute' raised InjectedFault: injected test fault on rank 1 "
+                f"(seed {LONE_FAULT_SEED})")
+        assert lone in node1.output() and "the failure is this rank's alone" in node1.output(), node1.output()[-3000:]
         deadline = time.monotonic() + 5
         while pid_alive(worker) and time.monotonic() < deadline:
             time.sleep(0.1)

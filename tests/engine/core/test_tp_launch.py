@@ -55,8 +55,9 @@ def test_a_rank_that_failed_alone_is_named_so():
 
 def test_a_worker_exits_when_the_process_that_started_it_is_killed():
     """tp_worker's parent watch (what ends node 1's rank when node 1's launcher is SIGKILLed)."""
+    # argv[1]: the launcher's pid, passed as tp_launch passes --parent-pid
     worker = ("import sys, time; from trnrt.engine.core.tp_worker import _watch_parent; "
-              "_watch_parent(int(sys.argv[1]), 1); print('watching', flush=True); time.sleep(60)")  # the launcher's pid, as --parent-pid
+              "_watch_parent(int(sys.argv[1]), 1); print('watching', flush=True); time.sleep(60)")
     launcher = subprocess.Popen(
         [sys.executable, "-c", "import os, subprocess, sys, time; "
          f"p = subprocess.Popen([sys.executable, '-c', {worker!r}, str(os.getpid())]); print(p.pid, flush=True); "
