@@ -4,7 +4,9 @@ a prefix-cache hit, /server_info and /v1/stats' `parallel` section, and the rank
 every sampled token (checked after every step: TRNRT_TP_CHECK_EVERY=1). The server speculates
 (MTP, k = 2), serves penalties and structured outputs and schedules by priority
 (tp_support.SERVER_FLAGS), so MTP, the variant graphs, aborts and priority preemption are proved
-at TP 2 too (issue #31 item 2)."""
+at TP 2 too (issue #31 item 2); a step that raises on every rank fails only its request; the last
+test drains the server on SIGTERM. (A rank failing alone, or dying, ends a server: the two-node test
+and tests/engine/core/test_tp_launch.py, test_tp_failure.py.)"""
 
 from __future__ import annotations
 
@@ -234,48 +236,64 @@ def test_priority_preemption_keeps_greedy_outputs(any_server):
     assert _engine(any_server)["parallel"]["agreement"]["mismatches"] == 0
 
 
-def test_killing_a_rank_ends_the_server(tp_server, any_server):
-    """Last in the module (it ends the shared server): SIGKILL worker rank 1 while a request
-    streams; the request ends, nothing answers 200 afterwards, the server exits with code 3
-    within 10 s and its log names the rank."""
-    import http.client
+def test_a_failure_every_rank_shares_fails_only_its_request(any_server):
+    """A step that raises on every rank before any collective (the injected fault for
+    SHARED_FAULT_SEED, on ranks 0 and 1: as a bad input would): its request fails, the server and
+    both ranks go on, and they still agree."""
+    from tp_support import SHARED_FAULT_SEED
+
+    status, d = any_server.post("/v1/completions", {"model": MODEL, "prompt": "A shared fault", "max_tokens": 4,
+                                                    "temperature": 1.0, "seed": SHARED_FAULT_SEED})
+    assert status == 500 and "InjectedFault: injected test fault on rank 0" in d["error"]["message"], (status, d)
+    status, d = any_server.post("/v1/completions", {"model": MODEL, "prompt": "And then", "max_tokens": 4,
+                                                    "temperature": 1.0, "seed": 11})
+    assert status == 200 and d["usage"]["completion_tokens"] == 4, d
+    assert_idle(any_server)
+    par = _engine(any_server)["parallel"]
+    r0, r1 = par["ranks"]
+    assert par["agreement"]["mismatches"] == 0 and r0["steps"] == r1["steps"] and r0["digest"] == r1["digest"], par
+
+
+def test_drain_on_sigterm_finishes_the_stream_and_stops_every_rank(tp_server, any_server):
+    """Last in the module (it ends the shared server): SIGTERM while a speculative stream is in
+    flight, as at TP 1 (tests/serve/test_cli.py): a new request gets 503 service_unavailable at
+    once, the stream finishes with every token it asked for, the server exits 0, the ranks'
+    agreement was checked at close and agreed (its log line), and no rank or engine process is left."""
     import json
-    import os
     import signal
-    import threading
     import time
 
-    (pid,) = tp_server.rank_pids().values()
-    ended = threading.Event()
+    from test_cli import _children
+    from test_concurrency import RawStream
+    from tp_support import pid_alive
 
-    def stream():  # a long request in flight when the rank dies
-        try:
-            any_server.sse_events("/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 900,
-                                                     "stream": True, "ignore_eos": True}, timeout=30)
-        except Exception:
-            pass
-        ended.set()
-
-    threading.Thread(target=stream, daemon=True).start()
-    time.sleep(1.0)
-    os.kill(pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    statuses = []
-    while tp_server.proc.poll() is None and time.monotonic() - t0 < 15:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", any_server.port, timeout=2)
-            conn.request("POST", "/v1/completions", body=json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}),
-                         headers={"Content-Type": "application/json"})
-            statuses.append((time.monotonic() - t0, conn.getresponse().status))
-            conn.close()
-        except OSError:
-            pass
-        time.sleep(0.05)
-    code = tp_server.wait(15)
-    elapsed = time.monotonic() - t0
-    assert code == 3, tp_server.output()[-3000:]
-    assert elapsed < 10, elapsed
-    assert ended.wait(5), "the streaming request did not end"
-    late = [s for t, s in statuses if t > 0.5]  # past the watchdog's poll: the engine is gone
-    assert late and all(s == 503 for s in late), statuses
-    assert f"tensor-parallel rank 1 (pid {pid}) exited with code -9" in tp_server.output(), tp_server.output()[-4000:]
+    max_tokens = 40
+    (worker,) = tp_server.rank_pids().values()
+    kids = _children(tp_server.proc.pid)  # the engine process (rank 0) and multiprocessing's helpers
+    stream = RawStream(any_server.port, json.dumps({
+        "model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        "ignore_eos": True, "stream_options": {"include_usage": True}}).encode(), path="/v1/completions")
+    first = stream.events(1)
+    assert first and first[0]["choices"][0]["text"] is not None, first
+    tp_server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    status, late, _ = any_server.raw("POST", "/v1/completions", {"model": MODEL, "prompt": "late", "max_tokens": 2},
+                                     timeout=10)
+    assert status == 503 and late["error"]["type"] == "service_unavailable", (status, late)
+    rest = stream.events()
+    assert rest and rest[-1] == "[DONE]", rest[-3:]
+    usage = [e["usage"] for e in rest[:-1] if e.get("usage")]
+    assert usage and usage[-1]["completion_tokens"] == max_tokens, rest[-3:]
+    assert any(c["finish_reason"] == "length" for e in rest[:-1] for c in e["choices"]), rest[-3:]
+    assert tp_server.wait(30) == 0, tp_server.output()[-3000:]
+    log = tp_server.output()
+    closing = re.search(r"tensor-parallel ranks at close: agree after (\d+) steps .*; (\d+) checks, 0 mismatches\)",
+                        log)
+    assert closing and "DISAGREE" not in log, log[-3000:]
+    steps, checks = map(int, closing.groups())
+    assert steps >= max_tokens // 3 and checks == steps + 1, closing.group(0)  # each step's check, and the close's
+    assert "rank 1: stopped by rank 0" in log, log[-3000:]
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in (worker, *kids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in (worker, *kids) if pid_alive(p)], "a rank or engine process outlived the server"

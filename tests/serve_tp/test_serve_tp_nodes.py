@@ -3,8 +3,11 @@ processes meeting at a `--dist-init-addr` rendezvous, node 0 serving HTTP with r
 running rank 1 and no HTTP. Against it, README.md's "Using the server" examples as written there
 (the curl commands and the Python client snippets, read from the README's code blocks with the
 port substituted, the `trnrt serve` flags they need given to both nodes); then the layout and the
-ranks' agreement; then killing node 1's process ends node 0's server (exit code 3, a log line naming
-the other node's rank) and leaves no rank behind.
+ranks' agreement; then rank 1 raising alone (a fault injected on node 1 only: trnrt.engine.core.tp_fault)
+ends node 0's server as a dead rank does (exit code 3 within 10 s, a log line naming the other node's
+rank), node 1 exits 3 with a line naming the rank and the error, and no rank is left behind. (A
+killed rank process is seen the same way: the rank's process ends; tests/engine/core/test_tp_launch.py
+covers the watchdog's and the worker's own side of a SIGKILL.)
 
 One test function on purpose: under `pytest -n 2` (CI) tests of one module may run on both
 workers, each starting its own module fixture; one function pays for exactly one deployment."""
@@ -25,7 +28,9 @@ import time
 import urllib.parse
 from pathlib import Path
 
-from tp_support import NodeProcess, ServeProcess, pid_alive, stop
+from tp_support import LONE_FAULT_SEED, NodeProcess, ServeProcess, pid_alive, stop
+
+from trnrt.engine.core.tp_failure import DEFAULT_FAILURE_WAIT_S as FAILURE_WAIT_S
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 README_URL = "http://127.0.0.1:30000"  # where the README's examples expect `trnrt serve`
@@ -194,7 +199,7 @@ def start_two_nodes(flags: list[str]) -> tuple[ServeProcess, NodeProcess]:
     from trnrt.engine.core.tp_launch import free_addr
 
     common = ["--tp-size", "2", "--ep-size", "2", "--nnodes", "2", "--dist-init-addr", free_addr(), *flags]
-    node1 = NodeProcess(*common, "--node-rank", "1")
+    node1 = NodeProcess(*common, "--node-rank", "1", env={"TRNRT_TP_TEST_FAULT": f"{LONE_FAULT_SEED}:1"})
     try:
         node0 = ServeProcess(*common, "--node-rank", "0", env={"TRNRT_TP_CHECK_EVERY": "1"})
     except AssertionError as e:
@@ -203,7 +208,7 @@ def start_two_nodes(flags: list[str]) -> tuple[ServeProcess, NodeProcess]:
     return node0, node1
 
 
-def test_two_nodes_answer_the_readme_then_die_together():
+def test_two_nodes_answer_the_readme_then_a_lone_failure_ends_both():
     flags, curls, pys = readme_examples()
     found = {curl_request(c)[1].split("?")[0] for c in curls}
     assert REQUIRED_PATHS <= found, f"README.md's examples lost {REQUIRED_PATHS - found}"
@@ -230,7 +235,9 @@ def test_two_nodes_answer_the_readme_then_die_together():
         assert par["agreement"]["checks"] >= 10 and par["agreement"]["mismatches"] == 0, par
         assert r1["steps"] == r0["steps"] == par["steps"] and r1["digest"] == r0["digest"], par
 
-        # 3. SIGKILL node 1's process while a request streams: node 0's server ends
+        # 3. rank 1 (node 1) raises alone (the injected fault for LONE_FAULT_SEED: as an OOM of its
+        # shard would) while a request streams: it exits within the failure wait, and node 0's
+        # server ends as for a dead rank, naming the other node's rank; node 1's log names the error
         worker = node1_ranks[1]
         ended = threading.Event()
 
@@ -242,8 +249,14 @@ def test_two_nodes_answer_the_readme_then_die_together():
 
         threading.Thread(target=stream, daemon=True).start()
         time.sleep(1.0)
-        os.kill(node1.proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
+
+        def faulty():
+            with contextlib.suppress(Exception):
+                srv.raw("POST", "/v1/completions", {"prompt": "Fault", "max_tokens": 4, "temperature": 1.0,
+                                                    "seed": LONE_FAULT_SEED}, timeout=30)
+
+        threading.Thread(target=faulty, daemon=True).start()
         statuses = []
         while node0.proc.poll() is None and time.monotonic() - t0 < 15:
             with contextlib.suppress(OSError):
@@ -256,15 +269,21 @@ def test_two_nodes_answer_the_readme_then_die_together():
         assert code == 3, log[-3000:]
         assert elapsed < 10, elapsed
         assert ended.wait(5), "the streaming request did not end"
-        late = [s for t, s in statuses if t > 1.0]
+        late = [s for t, s in statuses if t > FAILURE_WAIT_S + 1.0]
         assert all(s == 503 for s in late), statuses
         assert "a tensor-parallel rank on another node is gone (node 1: rank 1)" in log, log[-4000:]
+        assert node1.wait(10) == 3, node1.output()[-3000:]
+        lone = (f"tensor-parallel rank 1: 'execute' raised InjectedFault: injected test fault on rank 1 "
+                f"(seed {LONE_FAULT_SEED})")
+        assert lone in node1.output() and "the failure is this rank's alone" in node1.output(), node1.output()[-3000:]
         deadline = time.monotonic() + 5
         while pid_alive(worker) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not pid_alive(worker), "node 1's rank outlived its node"
     finally:
-        stop(node0)
-        node1.kill()
+        try:
+            stop(node0)
+        finally:  # node 1 never outlives the test, even when node 0 did not stop
+            node1.kill()
         if pid_alive(node1.rank_pids().get(1, -1)):
             os.kill(node1.rank_pids()[1], signal.SIGKILL)

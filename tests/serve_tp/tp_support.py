@@ -22,6 +22,11 @@ SERVER_FLAGS = (
     "--enable-priority-scheduling", "--max-running-requests", str(MAX_RUNNING),  # priority preemption
     "--prompt-logprobs",  # echo + logprobs: the prompt-logprobs prefill graph
 )
+# trnrt.engine.core.tp_fault: a request with this seed makes its step raise on every rank (a shared
+# failure the server survives); one with LONE_FAULT_SEED raises on rank 1 alone (the server ends).
+SHARED_FAULT_SEED = 7001
+LONE_FAULT_SEED = 7002
+TEST_FAULTS = f"{SHARED_FAULT_SEED}:0,1;{LONE_FAULT_SEED}:1"
 
 
 @dataclass
@@ -112,7 +117,7 @@ def tp_server():
     """`trnrt serve --tp-size 2` on the embedded model, the agreement checked every step, with
     what test_serve_tp's feature tests need (SERVER_FLAGS)."""
     sp = ServeProcess("--tp-size", "2", "--served-model-name", "trnrt-tiny", "--context-length", "1024",
-                      *SERVER_FLAGS, env={"TRNRT_TP_CHECK_EVERY": "1"})
+                      *SERVER_FLAGS, env={"TRNRT_TP_CHECK_EVERY": "1", "TRNRT_TP_TEST_FAULT": TEST_FAULTS})
     try:
         yield sp
     finally:

@@ -113,4 +113,7 @@ def build_runner(setup: RankSetup, ctx, ranks_per_node: int = 1):
         runner = SpecModelRunner(model, state, ecfg, vocab, num_steps=setup.spec_steps)
     n, source = resolve_torch_threads("eager", setup.device, None, count_params(model))
     runner.torch_threads = max(1, n // ranks_per_node) if source == "default" else n
+    from trnrt.engine.core.tp_fault import install_test_fault
+
+    install_test_fault(runner, ctx.tp_rank)  # a test hook: nothing unless $TRNRT_TP_TEST_FAULT is set
     return runner

@@ -70,6 +70,13 @@ def start_workers(ranks, parallel: ParallelConfig, addr: str) -> dict[int, subpr
     return procs
 
 
+def exit_reason(code: int) -> str:
+    """What a worker's exit status says, for the watchdog's line ('' when it says nothing more)."""
+    from trnrt.engine.core.tp_failure import LONE_FAILURE_EXIT_CODE
+
+    return " (a call failed on that rank alone: its error is logged above)" if code == LONE_FAILURE_EXIT_CODE else ""
+
+
 def remote_ranks(parallel: ParallelConfig) -> str:
     """'node 1: rank 1' / 'node 1: ranks 8-15, node 2: ...': the ranks this node does not run."""
     parts = []
@@ -100,7 +107,7 @@ class RankWatchdog:
             for rank, p in self.procs.items():
                 code = p.poll()
                 if code is not None and not self.closing:
-                    self.fatal(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {code}")
+                    self.fatal(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {code}{exit_reason(code)}")
             time.sleep(self.poll_s)
 
     def kill_all(self) -> None:
@@ -202,8 +209,8 @@ def run_node(parallel: ParallelConfig) -> int:
         failed = {r: c for r, c in codes.items() if c not in (None, 0)}
         if failed and not watchdog.closing:
             r, c = next(iter(failed.items()))
-            log.critical("tensor-parallel rank %d (pid %d) exited with code %s; stopping node %d (code %d)", r,
-                         procs[r].pid, c, parallel.node_rank, RANK_DIED_EXIT_CODE)
+            log.critical("tensor-parallel rank %d (pid %d) exited with code %s%s; stopping node %d (code %d)", r,
+                         procs[r].pid, c, exit_reason(c), parallel.node_rank, RANK_DIED_EXIT_CODE)
             watchdog.kill_all()
             return RANK_DIED_EXIT_CODE
         if all(c is not None for c in codes.values()):

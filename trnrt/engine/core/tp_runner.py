@@ -19,9 +19,11 @@ and collective counts (`check`), and a mismatch is logged as an error and counte
 `parallel` section. Each step's collectives (calls and wall seconds, timed in
 trnrt.parallel.collectives._issue) are rank 0's count deltas around the step.
 
-A call that raises on rank 0 raises on the workers too (same inputs): both log it and go on, as
-the engine fails that step's requests and goes on. A broken channel (a rank is gone) is fatal on
-rank 0 (`on_fatal`: the engine process exits non-zero; trnrt.engine.core.tp_launch).
+A call that raises on every rank (same inputs, same failure) is survived: the engine fails that
+step's requests and goes on. A call that raises on some ranks only ends the server, as a dead rank
+does; which one it was is settled by a short exchange that runs only after a failure
+(trnrt.engine.core.tp_failure). A broken channel (a rank is gone) is fatal on rank 0 (`on_fatal`:
+the engine process exits non-zero; trnrt.engine.core.tp_launch).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import resource
 import threading
 import time
 from array import array
+
+from trnrt.engine.core.tp_failure import FAILED_OP, answer_rank_zero_failure, confirm_on_rank_zero, confirm_on_worker
 
 log = logging.getLogger("trnrt.engine.core.tp")
 
@@ -195,7 +199,11 @@ class MirroredRunner:
             if self._closed:
                 raise RuntimeError("the tensor-parallel ranks are stopped")
             self._send(op, *args)
-            return getattr(self._runner, op)(*args)
+            try:
+                return getattr(self._runner, op)(*args)
+            except Exception as e:  # did every rank fail? (only after a failure: healthy steps pay nothing)
+                confirm_on_rank_zero(self._channel, op, e, self._on_fatal)
+                raise
 
     def _send(self, op: str, *args) -> None:  # under self._lock
         try:
@@ -283,11 +291,18 @@ class MirroredRunner:
         return agree
 
     def close(self) -> None:
-        """A last check, then stop the workers (they exit 0); idempotent."""
+        """A last check, then stop the workers (they exit 0); idempotent. The check's outcome is
+        logged either way (a supervisor's log shows that the ranks agreed to the end)."""
         if self._closed:
             return
         try:
-            self.check()
+            agree = self.check()
+            reports = self._last_reports
+            log.log(logging.INFO if agree else logging.ERROR,
+                    "tensor-parallel ranks at close: %s after %d steps (%s; %d checks, %d mismatches)",
+                    "agree" if agree else "DISAGREE", self._digest.steps,
+                    ", ".join(f"rank {r['rank']}: {r['digest']} ({r['steps']} steps)" for r in reports),
+                    self._checks, self._mismatches)
             with self._lock:
                 self.__dict__["_closed"] = True
                 self._channel.send("stop")
@@ -329,8 +344,8 @@ class MirroredRunner:
 
 def serve_rank(runner, channel: RankBroadcaster, ctx, rank: int) -> int:
     """A worker's loop: mirror rank 0's calls until it says stop; returns the exit status (0).
-    A call that raises is logged and skipped (rank 0 saw the same failure); a broken channel
-    raises (the worker exits non-zero)."""
+    A call that raises is survived when rank 0's raised too, else the worker exits
+    (trnrt.engine.core.tp_failure); a broken channel raises (the worker exits non-zero)."""
     digest = TokenDigest()
     memory = RankMemory(runner)
     while True:
@@ -343,12 +358,15 @@ def serve_rank(runner, channel: RankBroadcaster, ctx, rank: int) -> int:
             continue
         if op == "ping":
             continue
+        if op == FAILED_OP:  # rank 0's call raised where ours did not: rank 0 stops the server
+            answer_rank_zero_failure(channel, rank, args)
+            continue
         if op not in MIRRORED_CALLS:
             raise RuntimeError(f"rank {rank}: unknown op {op!r} from rank 0")
         try:
             out = getattr(runner, op)(*args)
-        except Exception:
-            log.warning("rank %d: %s failed (as on rank 0)", rank, op, exc_info=True)
+        except Exception as e:
+            confirm_on_worker(channel, rank, op, e)  # returns only when rank 0 failed too
             continue
         if op == "execute":
             digest.add(out)

@@ -4,7 +4,9 @@ Started by rank 0 (trnrt.engine.core.tp_launch.start_rank_zero) or by a node lau
 (`trnrt serve --node-rank R`). It joins the process group, receives the RankSetup, builds its
 runner (trnrt.engine.core.tp_build), reports that it has loaded, then mirrors rank 0's runner calls
 (trnrt.engine.core.tp_runner.serve_rank) until rank 0 says stop (exit 0). It exits non-zero when
-the channel breaks (rank 0 died) and at once when the process that started it is gone.
+the channel breaks (rank 0 died), at once when the process that started it is gone, and with
+LONE_FAILURE_EXIT_CODE (4) when one of its calls raised where rank 0's did not
+(trnrt.engine.core.tp_failure).
 """
 
 from __future__ import annotations
