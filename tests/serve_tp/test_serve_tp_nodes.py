@@ -6,8 +6,8 @@ port substituted, the `trnrt serve` flags they need given to both nodes); then t
 ranks' agreement; then rank 1 raising alone (a fault injected on node 1 only: trnrt.engine.core.tp_fault)
 ends node 0's server as a dead rank does (exit code 3 within 10 s, a log line naming the other node's
 rank), node 1 exits 3 with a line naming the rank and the error, and no rank is left behind. (A
-killed rank process is seen the same way: the rank's process ends; tests/engine/core/test_tp_launch.py
-covers the watchdog's and the worker's own side of a SIGKILL.)
+SIGKILLed rank on rank 0's node: test_serve_tp_kill.py; the watchdog's and the worker's own side
+of a SIGKILL: tests/engine/core/test_tp_launch.py.)
 
 One test function on purpose: under `pytest -n 2` (CI) tests of one module may run on both
 workers, each starting its own module fixture; one function pays for exactly one deployment."""

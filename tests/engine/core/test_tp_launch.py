@@ -1,7 +1,7 @@
 """What takes a tensor-parallel group down when a rank process ends, without a model: rank 0's
 RankWatchdog over its worker processes (a SIGKILLed one, one that failed alone), and a worker's
-own watch on the process that started it. The servers' tests end a rank by a lone failure
-(tests/serve_tp); a SIGKILL reaches the same code through the process's exit, proved here."""
+own watch on the process that started it. The servers' tests end a rank by SIGKILL
+(tests/serve_tp/test_serve_tp_kill.py) and by a lone failure (test_serve_tp_nodes.py)."""
 
 from __future__ import annotations
 
