@@ -51,24 +51,6 @@ from .shard import fp8_rule, shard_fp8
 log = logging.getLogger("trnrt.models.glm5_next")
 
 
-def shard_fp8_tensors(parts: names.Fp8Tensors, cfg, ctx: ParallelContext, block: tuple[int, int]
-                      ) -> dict[str, torch.Tensor]:
-    """The rank's serving state dict (Fp8Linear's `qweight` / `weight_scale_inv`, Fp8Experts'
-    `{gate,up,down}_q` / `_scale_inv`, the rest as stored). ShardingError naming the first FP8
-    tensor whose cut would split a scale block (before any other tensor is cut)."""
-    fp8: dict[str, torch.Tensor] = {}
-    for path, (q, s) in parts.linears.items():
-        name = path + ".weight"
-        fp8[path + ".qweight"], fp8[path + ".weight_scale_inv"] = shard_fp8(
-            name, q, s, block, fp8_rule(name, cfg), ctx)
-    for path, stacks in parts.experts.items():
-        for proj, (q, s) in stacks.items():
-            shown = f"{path}.*.{proj}_proj.weight"  # the release's per-expert names
-            fp8[f"{path}.{proj}_q"], fp8[f"{path}.{proj}_scale_inv"] = shard_fp8(
-                shown, q, s, block, fp8_rule(f"{path}.{proj}", cfg), ctx)
-    return {**shard_state_dict(parts.rest, cfg, ctx), **fp8}
-
-
 def read_fp8_parts(model_dir: str | Path, cfg, load_mtp: bool, quantization: str | None,
                    online_block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[names.Fp8Tensors, qconfig.QuantConfig]:
     """The whole checkpoint split into its FP8 and other tensors (serving names), and its
