@@ -16,7 +16,7 @@ the rank's own buffers, not a memory map) for the blocks `sharding.rule_for` giv
 * vision-tower (and unloaded MTP) tensors are skipped by name: never read.
 
 Each file is opened once; only the requested bytes are read (a column slice in bounded chunks).
-The pieces (SliceOpener, lazy_tensors, mtp_renamed, header_tensors) are public: the FP8 rank
+The pieces (SliceOpener, lazy_tensors, mtp_name / mtp_renamed, header_tensors) are public: the FP8 rank
 reader (fp8/rank_read.py) adds its weights and scale grids to the same lazy tensors.
 """
 
@@ -133,10 +133,15 @@ def lazy_tensors(keys: Iterable[str], sl: SliceOpener, cfg: Glm5NextConfig, load
     return shapes, getters
 
 
-def mtp_renamed(d: dict, cfg: Glm5NextConfig) -> dict:
-    """`d` with the MTP layer's `layers.{N}.*` keys as the serving `mtp.*` (order kept)."""
+def mtp_name(name: str, cfg: Glm5NextConfig) -> str:
+    """The MTP layer's `layers.{N}.*` name as the serving `mtp.*`; other names unchanged."""
     pre = f"layers.{cfg.num_hidden_layers}."
-    return {("mtp." + k[len(pre):] if k.startswith(pre) else k): v for k, v in d.items()}
+    return "mtp." + name[len(pre):] if name.startswith(pre) else name
+
+
+def mtp_renamed(d: dict, cfg: Glm5NextConfig) -> dict:
+    """`d` with its keys through mtp_name (order kept)."""
+    return {mtp_name(k, cfg): v for k, v in d.items()}
 
 
 def read_rank_state_dict(model_dir: str | Path, cfg: Glm5NextConfig, ctx: ParallelContext,
