@@ -104,11 +104,11 @@ def read_fp8_rank_state_dict(model_dir: str | Path, cfg: Glm5NextConfig, qc: Qua
     before any weight is read."""
     where = checkpoint_files(model_dir)
     want = plan(where, cfg, qc, ctx, load_mtp)
-    fp8 = sorted(k[: -len(SCALE)] for k in where if k.endswith(SCALE))
-    others = [k for k in where if not k.endswith(SCALE) and k not in set(fp8)]
+    fp8 = {k[: -len(SCALE)] for k in where if k.endswith(SCALE)}  # FP8 iff a scale sits beside it
+    others = [k for k in where if not k.endswith(SCALE) and k not in fp8]
     with SliceOpener(where) as sl:
         shapes, getters = lazy_tensors(others, sl, cfg, load_mtp)
-        kinds = _add_fp8(fp8, sl, cfg, load_mtp, shapes, getters)
+        kinds = _add_fp8(sorted(fp8), sl, cfg, load_mtp, shapes, getters)
         if load_mtp:
             shapes, getters = mtp_renamed(shapes, cfg), mtp_renamed(getters, cfg)
             kinds = {mtp_name(k, cfg): (mtp_name(r, cfg), w and mtp_name(w, cfg)) for k, (r, w) in kinds.items()}
