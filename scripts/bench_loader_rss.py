@@ -54,6 +54,11 @@ if how.startswith("fp8"):
 else:
     cfg = Glm5NextConfig.from_pretrained(d)
     read = read_rank_state_dict if how == "sliced" else read_full_then_shard
+# torch's meta-tensor ops load their registrations (~150 MB of RSS, once per process) on first
+# use: the FP8 plan runs on meta tensors, and so does every rank model's skeleton, so a rank
+# pays it anyway. Warmed before the baseline: what is left is what the reads cost.
+torch.cat([torch.empty(2, 2, device="meta")[:, :1]] * 2, 1).contiguous()
+torch.stack([torch.empty(2, device="meta")] * 2)
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
 base = status("VmRSS")
 sd = read(d, cfg, ctx, False)
