@@ -16,12 +16,14 @@ the rank's own buffers, not a memory map) for the blocks `sharding.rule_for` giv
 * vision-tower (and unloaded MTP) tensors are skipped by name: never read.
 
 Each file is opened once; only the requested bytes are read (a column slice in bounded chunks).
+The pieces (SliceOpener, lazy_tensors, mtp_name / mtp_renamed, header_tensors) are public: the FP8 rank
+reader (fp8/rank_read.py) adds its weights and scale grids to the same lazy tensors.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from .sharding import iter_shards
 from .weights import CheckpointError, classify_key
 
 Index = tuple[slice, ...]
+Getter = Callable[[Index], torch.Tensor]
 
 
 def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
@@ -58,16 +61,52 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     return out
 
 
-def read_rank_state_dict(model_dir: str | Path, cfg: Glm5NextConfig, ctx: ParallelContext,
-                         load_mtp: bool = False) -> dict[str, torch.Tensor]:
-    """The rank's shard of the serving state dict, read as slices (see the module docstring)."""
-    where = checkpoint_files(model_dir)
+class SliceOpener:
+    """`with SliceOpener(where) as sl: sl(key)[idx]`: the safetensors slice of checkpoint tensor
+    `key` (`where`: checkpoint_files), each file opened once and closed on exit."""
+
+    def __init__(self, where: dict[str, Path]):
+        self.where = where
+        self._stack = ExitStack()
+        self._handles: dict[Path, SafetensorsFile] = {}
+
+    def __enter__(self) -> "SliceOpener":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def __call__(self, key: str):
+        p = self.where[key]
+        if p not in self._handles:
+            self._handles[p] = self._stack.enter_context(SafetensorsFile(p))
+        return self._handles[p].get_slice(key)
+
+
+def header_tensors(where: dict[str, Path]) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor as a meta tensor of its stored shape and dtype (headers only: no
+    data read), for checks and plans that run the loaders' own code before any weight is read."""
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(set(where.values())):
+        with SafetensorsFile(path) as f:
+            for key in f.keys():
+                if where.get(key) == path:
+                    s = f.get_slice(key)
+                    out[key] = torch.empty(tuple(s.get_shape()), dtype=s.dtype, device="meta")
+    return out
+
+
+def lazy_tensors(keys: Iterable[str], sl: SliceOpener, cfg: Glm5NextConfig, load_mtp: bool
+                 ) -> tuple[dict[str, tuple[int, ...]], dict[str, Getter]]:
+    """Serving name -> (full shape, getter of an index) for the checkpoint tensors `keys`, mapped
+    as the module docstring says; nothing is read yet. The MTP layer keeps its `layers.{N}.`
+    names here (mtp_renamed moves them), so callers can add tensors under the same naming."""
     n = cfg.num_hidden_layers
     plain: dict[str, str] = {}            # serving name -> checkpoint key
     reshape_alog: set[str] = set()
     experts: dict[tuple[int, int, str], str] = {}
     convs: dict[tuple[int, str], str] = {}
-    for key in where:
+    for key in keys:
         kind = classify_key(key, n, load_mtp)
         if kind[0] == "skip":
             continue
@@ -79,33 +118,40 @@ def read_rank_state_dict(model_dir: str | Path, cfg: Glm5NextConfig, ctx: Parall
             plain[kind[1]] = key
             if kind[2]:
                 reshape_alog.add(kind[1])
+    shapes: dict[str, tuple[int, ...]] = {}
+    getters: dict[str, Getter] = {}
+    for name, key in plain.items():
+        s = sl(key)
+        shape = tuple(s.get_shape())
+        if name in reshape_alog:  # release A_log may carry singleton dims: tiny, read whole
+            full = s[:].reshape(-1)
+            shapes[name], getters[name] = tuple(full.shape), full.__getitem__
+        else:
+            shapes[name], getters[name] = shape, (lambda idx, s=s: s[idx])
+    _add_experts(experts, sl, cfg, shapes, getters)
+    _add_convs(convs, sl, cfg, shapes, getters)
+    return shapes, getters
 
-    with ExitStack() as stack:
-        handles: dict[Path, object] = {}
 
-        def sl(key: str):
-            p = where[key]
-            if p not in handles:
-                handles[p] = stack.enter_context(SafetensorsFile(p))
-            return handles[p].get_slice(key)
+def mtp_name(name: str, cfg: Glm5NextConfig) -> str:
+    """The MTP layer's `layers.{N}.*` name as the serving `mtp.*`; other names unchanged."""
+    pre = f"layers.{cfg.num_hidden_layers}."
+    return "mtp." + name[len(pre):] if name.startswith(pre) else name
 
-        shapes: dict[str, tuple[int, ...]] = {}
-        getters: dict[str, Callable[[Index], torch.Tensor]] = {}
-        for name, key in plain.items():
-            s = sl(key)
-            shape = tuple(s.get_shape())
-            if name in reshape_alog:  # release A_log may carry singleton dims: tiny, read whole
-                full = s[:].reshape(-1)
-                shapes[name], getters[name] = tuple(full.shape), full.__getitem__
-            else:
-                shapes[name], getters[name] = shape, (lambda idx, s=s: s[idx])
-        _add_experts(experts, sl, cfg, shapes, getters)
-        _add_convs(convs, sl, cfg, shapes, getters)
+
+def mtp_renamed(d: dict, cfg: Glm5NextConfig) -> dict:
+    """`d` with its keys through mtp_name (order kept)."""
+    return {mtp_name(k, cfg): v for k, v in d.items()}
+
+
+def read_rank_state_dict(model_dir: str | Path, cfg: Glm5NextConfig, ctx: ParallelContext,
+                         load_mtp: bool = False) -> dict[str, torch.Tensor]:
+    """The rank's shard of the serving state dict, read as slices (see the module docstring)."""
+    where = checkpoint_files(model_dir)
+    with SliceOpener(where) as sl:
+        shapes, getters = lazy_tensors(where, sl, cfg, load_mtp)
         if load_mtp:
-            pre = f"layers.{n}."
-            rename = {k: "mtp." + k[len(pre):] for k in shapes if k.startswith(pre)}
-            shapes = {rename.get(k, k): v for k, v in shapes.items()}
-            getters = {rename.get(k, k): v for k, v in getters.items()}
+            shapes, getters = mtp_renamed(shapes, cfg), mtp_renamed(getters, cfg)
         return {name: t for name, t in iter_shards(shapes, lambda nm, idx: getters[nm](idx), cfg, ctx)}
 
 

@@ -5,12 +5,11 @@
 a bf16 / fp32 one quantized per block as it loads (`quantization="fp8"`, SGLang's online FP8);
 `names.split` sorts the tensors into FP8 linears, FP8 expert stacks and the rest; then
 
-* the rest (bf16 / fp32: norms, router, embeddings, lm_head, the policy's bf16 linears) is cut
-  by `sharding.shard_state_dict`, as the bf16 rank model's shard;
-* every FP8 weight is cut with its scale grid by `shard.shard_fp8` (the weight's own rule; the
-  grid in block units), which refuses, naming the tensor, a layout that would hand a rank part
-  of a scale block. Every FP8 tensor is cut before anything is built, so a refused layout
-  costs no model;
+* the rank reads only its share (rank_read.read_fp8_rank_state_dict: the FP8 weights' rows /
+  columns or experts and the matching scale blocks, every other tensor as the bf16 rank's
+  sliced read), or, online, its bf16 slices quantized (rank_quantize); both first plan the
+  shard from the headers, so a layout that would hand a rank part of a scale block is refused,
+  naming the tensor (shard.scale_rule), before any weight is read and before anything is built;
 * the rank model (`rank_model._skeleton`: RankForServing and the parallel_blocks, built from the
   rank's local config on meta) gets Fp8Linear / Fp8Experts in place of the FP8 modules, at the
   rank's local shapes, and the tensors are assigned with load.load_fp8_model's checks.
@@ -21,9 +20,8 @@ the replicated 576-row kv_a does not); such blocks take their unfused forward, s
 parallel blocks are the bf16 ones: their collectives sit around the block, so the FP8 modules
 inside need nothing of their own.
 
-Reading: every rank reads the whole checkpoint, then cuts it (as rank_model.read_full_then_shard
-does): correct for any layout, but each rank's peak host memory is the whole FP8 checkpoint,
-not its share (the sliced reader, sharded_load, reads bf16 tensors only so far).
+Reading: `read_fp8_parts` + shard.shard_fp8_tensors (the whole checkpoint read, then cut) is
+kept as the reference the sliced readers are tested against, bit for bit; the load never uses it.
 """
 
 from __future__ import annotations
@@ -39,34 +37,19 @@ from ..config import ConfigError
 from ..model import Glm5NextForServing
 from ..moe import Experts
 from ..rank_model import _rank_buffers, _skeleton
-from ..sharding import expert_config, shard_state_dict
+from ..sharded_load import checkpoint_files
+from ..sharding import expert_config
 from ..weights import read_safetensors
 from . import backend, names, qconfig
 from .blocks import DEFAULT_BLOCK, FP8_DTYPE
 from .checkpoint import quantize_raw
 from .load import _assign, _child, _configs, _replace, load_fp8_model, prepare_fp8, wants_fp8
 from .modules import Fp8Experts, Fp8Linear
-from .shard import fp8_rule, shard_fp8
+from .rank_quantize import quantize_rank_state_dict
+from .rank_read import plan, read_fp8_rank_state_dict
+from .shard import shard_fp8_tensors  # noqa: F401  (the reference cut, with read_fp8_parts)
 
 log = logging.getLogger("trnrt.models.glm5_next")
-
-
-def shard_fp8_tensors(parts: names.Fp8Tensors, cfg, ctx: ParallelContext, block: tuple[int, int]
-                      ) -> dict[str, torch.Tensor]:
-    """The rank's serving state dict (Fp8Linear's `qweight` / `weight_scale_inv`, Fp8Experts'
-    `{gate,up,down}_q` / `_scale_inv`, the rest as stored). ShardingError naming the first FP8
-    tensor whose cut would split a scale block (before any other tensor is cut)."""
-    fp8: dict[str, torch.Tensor] = {}
-    for path, (q, s) in parts.linears.items():
-        name = path + ".weight"
-        fp8[path + ".qweight"], fp8[path + ".weight_scale_inv"] = shard_fp8(
-            name, q, s, block, fp8_rule(name, cfg), ctx)
-    for path, stacks in parts.experts.items():
-        for proj, (q, s) in stacks.items():
-            shown = f"{path}.*.{proj}_proj.weight"  # the release's per-expert names
-            fp8[f"{path}.{proj}_q"], fp8[f"{path}.{proj}_scale_inv"] = shard_fp8(
-                shown, q, s, block, fp8_rule(f"{path}.{proj}", cfg), ctx)
-    return {**shard_state_dict(parts.rest, cfg, ctx), **fp8}
 
 
 def read_fp8_parts(model_dir: str | Path, cfg, load_mtp: bool, quantization: str | None,
@@ -84,17 +67,19 @@ def read_fp8_parts(model_dir: str | Path, cfg, load_mtp: bool, quantization: str
     return names.split(raw, cfg, qc, load_mtp), qc
 
 
-def build_fp8_rank_model(cfg, mtp_cfg, parts: names.Fp8Tensors, qc: qconfig.QuantConfig, ctx: ParallelContext,
+def build_fp8_rank_model(cfg, mtp_cfg, sd: dict[str, torch.Tensor], qc: qconfig.QuantConfig, ctx: ParallelContext,
                          dtype: torch.dtype, device: str | torch.device = "cpu") -> Glm5NextForServing:
-    """The rank's model from the checkpoint's parts (see the module doc): eval, frozen, prepared."""
-    sd = shard_fp8_tensors(parts, cfg, ctx, qc.block)
+    """The rank's model from its FP8 serving state dict (see the module doc; an Fp8Linear per
+    `<module>.qweight`, Fp8Experts per `<experts>.gate_q`): eval, frozen, prepared."""
+    linears = [k[: -len(".qweight")] for k in sd if k.endswith(".qweight")]
+    experts = [k[: -len(".gate_q")] for k in sd if k.endswith(".mlp.experts.gate_q")]
     model = _skeleton(cfg, ctx, mtp_cfg, set(sd))
     with torch.device("meta"):
-        for path in parts.linears:
+        for path in linears:
             old = _child(model, path, torch.nn.Linear, path + ".weight")  # rank-local in / out features
             _replace(model, path, Fp8Linear(old.in_features, old.out_features, qc.block, dtype))
         ecfg = expert_config(cfg, ctx)  # E / ep experts of I / moe_tp: the rank's stacks
-        for path in parts.experts:
+        for path in experts:
             _child(model, path, Experts, path + ".0.gate_proj.weight")
             _replace(model, path, Fp8Experts(ecfg, qc.block, dtype))
     _assign(model, sd, dtype, device)
@@ -114,25 +99,12 @@ def check_fp8_layout(model_dir: str | Path, tp_size: int, ep_size: int = 1, quan
     """Refuse, before any weight is read, a layout whose cut would split an FP8 scale block: the
     checkpoint's headers as meta tensors through the loader's own split and cut (ShardingError
     naming the tensor, as the load would raise on every rank). Not FP8: nothing to check."""
-    from ..safetensors_pread import SafetensorsFile
-    from ..sharded_load import checkpoint_files
-
     if tp_size == 1 or not wants_fp8(model_dir, quantization):
         return
-    raw: dict[str, torch.Tensor] = {}
-    where = checkpoint_files(model_dir)
-    for path in sorted(set(where.values())):
-        with SafetensorsFile(path) as f:  # headers only: each file opened once
-            for key in (k for k, p in where.items() if p == path):
-                sl = f.get_slice(key)
-                raw[key] = torch.empty(tuple(sl.get_shape()), dtype=sl.dtype, device="meta")
     cfg, _ = _configs(model_dir)
     qc = qconfig.read(model_dir)
-    if qc is None:
-        qc = qconfig.QuantConfig()
-        raw = quantize_raw(raw, qc)
-    parts = names.split(raw, cfg, qc, load_mtp)
-    shard_fp8_tensors(parts, cfg, ParallelContext.for_rank(tp_size, 0, ep_size=ep_size), qc.block)
+    ctx = ParallelContext.for_rank(tp_size, 0, ep_size=ep_size)
+    plan(checkpoint_files(model_dir), cfg, qc or qconfig.QuantConfig(), ctx, load_mtp, online=qc is None)
 
 
 def load_fp8_rank_model(model_dir: str | Path, dtype: torch.dtype, ctx: ParallelContext, load_mtp: bool = False,
@@ -146,5 +118,12 @@ def load_fp8_rank_model(model_dir: str | Path, dtype: torch.dtype, ctx: Parallel
     if load_mtp and mtp_cfg.num_nextn_predict_layers != 1:
         raise ConfigError("num_nextn_predict_layers",
                           f"load_mtp needs exactly one MTP layer, the config has {mtp_cfg.num_nextn_predict_layers}")
-    parts, qc = read_fp8_parts(model_dir, cfg, load_mtp, quantization, online_block)
-    return build_fp8_rank_model(cfg, mtp_cfg if load_mtp else None, parts, qc, ctx, dtype, device)
+    qc = qconfig.read(model_dir)
+    if qc is None and quantization != "fp8":
+        raise ConfigError("quantization", f"{model_dir} is not an FP8 checkpoint and quantization is not 'fp8'")
+    if qc is None:  # online: the rank's bf16 slices, quantized per block
+        qc = qconfig.QuantConfig(block=tuple(online_block))
+        sd = quantize_rank_state_dict(model_dir, cfg, qc, ctx, load_mtp)
+    else:
+        sd = read_fp8_rank_state_dict(model_dir, cfg, qc, ctx, load_mtp)
+    return build_fp8_rank_model(cfg, mtp_cfg if load_mtp else None, sd, qc, ctx, dtype, device)
