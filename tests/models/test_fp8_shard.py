@@ -51,3 +51,12 @@ def test_an_expert_split_that_cuts_a_block_suggests_ep():
     assert e.value.tensor == name and "--ep-size" in str(e.value)
     qs, ss = shard_fp8(name, q, s, (16, 32), fp8_rule(name, CFG), ParallelContext(tp_size=2, tp_rank=1, ep_size=2))
     assert qs.shape == (4, 64, 32) and torch.equal(ss, s[4:])  # EP: whole experts, their whole grids
+
+
+def test_an_uncut_dim_may_end_in_a_partial_block():
+    """EP owns experts whole (moe_tp 1): their I = 32 with 128-blocks is one partial block, as at
+    TP 1, not a split block."""
+    name = "layers.1.mlp.experts.down"  # [E, D, I]
+    q, s = blocks.quantize(torch.randn(8, 64, 32), (128, 128))
+    qs, ss = shard_fp8(name, q, s, (128, 128), fp8_rule(name, CFG), ParallelContext(tp_size=2, tp_rank=1, ep_size=2))
+    assert qs.shape == (4, 64, 32) and torch.equal(qs.view(torch.uint8), q[4:].view(torch.uint8)) and torch.equal(ss, s[4:])

@@ -168,3 +168,24 @@ def test_h100_tp8_fits_with_fp8_weights():
     cfg = real_config()
     assert abs(weight_bytes(cfg, 8, 1, "bfloat16", quantization="fp8").total / GB - 39.7) < 0.1
     assert check_fits(cfg, _engine(), tp=8, ep=1, device="h100", quantization="fp8").max_running_requests >= 1
+
+
+def test_fp8_layouts_that_split_a_scale_block_are_refused_as_serve_refuses_them():
+    """At real dims the release's 128 x 128 scale blocks allow TP 8 and 16 (any EP) but not TP 32
+    or 64: a rank would hold part of a block (the shared experts' 2048 rows at TP 32: 64 each). The
+    plan refuses those naming the tensor, as the FP8 rank loader does, and never proposes them as
+    the smallest fitting layout."""
+    from trnrt.parallel.shard import ShardingError
+    from trnrt.plan.memory import layouts
+
+    cfg = real_config()
+    for tp, ep in ((8, 1), (8, 8), (16, 8)):
+        weight_bytes(cfg, tp, ep, "bfloat16", quantization="fp8")
+    for tp, ep, tensor in ((32, 8, "layers.3.mlp.shared_experts.gate_proj.weight"),
+                           (64, 1, "layers.0.mlp.gate_proj.weight")):
+        with pytest.raises(ShardingError) as e:
+            weight_bytes(cfg, tp, ep, "bfloat16", quantization="fp8")
+        assert e.value.tensor == tensor and "128-blocks of the FP8 scales" in str(e.value), str(e.value)
+    assert (64, 8) in layouts(cfg, 64) and not any(tp >= 32 for tp, _ in layouts(cfg, 64, "fp8"))
+    with pytest.raises(ShardingError):
+        check_fits(cfg, _engine(), tp=64, ep=8, device="trn2", quantization="fp8")

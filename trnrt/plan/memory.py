@@ -88,6 +88,19 @@ def is_fp8_weight(name: str) -> bool:
     return quantizes(name) or name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
 
 
+def check_fp8_blocks(name: str, shape: tuple[int, ...], rule, cfg: Glm5NextConfig, ctx: ParallelContext) -> None:
+    """ShardingError naming `name` when `rule` at ctx's layout would give a rank part of an FP8
+    weight's 128 x 128 scale block (the check the FP8 rank loader makes on a checkpoint's headers,
+    fp8/shard.py, made here on the config's shapes, so that a plan never passes what serve refuses).
+    The stacked experts' gate_up_proj is FP8 as separate gate and up stacks [E, I, D]."""
+    from trnrt.models.glm5_next.fp8.shard import fp8_rule, scale_rule
+
+    if name.endswith("mlp.experts.gate_up_proj"):
+        name = name[: -len("gate_up_proj")] + "gate"
+        shape, rule = (shape[0], shape[1] // 2, *shape[2:]), fp8_rule(name, cfg)
+    scale_rule(name, shape, (FP8_BLOCK, FP8_BLOCK), rule, ctx)
+
+
 def _fp8_bytes(shape: tuple[int, ...]) -> int:
     """1 byte an element plus one fp32 scale per FP8_BLOCK x FP8_BLOCK block of the last two dims."""
     *lead, rows, cols = shape
@@ -117,6 +130,7 @@ def weight_bytes(cfg: Glm5NextConfig, tp: int, ep: int = 1, dtype: str = "bfloat
         for d in local:
             n *= d
         if quantization and len(local) >= 2 and is_fp8_weight(name):
+            check_fp8_blocks(name, shape, r, cfg, ctx)
             nbytes = _fp8_bytes(local)
         else:
             nbytes = n * (4 if is_fp32_param(name) else b)
@@ -257,9 +271,9 @@ def plan(cfg: Glm5NextConfig, engine: EngineConfig, tp: int, ep: int, device_byt
                 preset_state=engine.num_blocks * st.block + engine.num_slots * st.slot)
 
 
-def layouts(cfg: Glm5NextConfig, max_tp: int) -> list[tuple[int, int]]:
-    """(tp, ep) pairs up to max_tp that divide the dims (check_layout and every rule), smallest
-    tp first, then smallest ep."""
+def layouts(cfg: Glm5NextConfig, max_tp: int, quantization: str | None = None) -> list[tuple[int, int]]:
+    """(tp, ep) pairs up to max_tp that divide the dims (check_layout and every rule; with
+    quantization "fp8" also the FP8 scale blocks), smallest tp first, then smallest ep."""
     out = []
     for tp in range(1, max_tp + 1):
         for ep in range(1, tp + 1):
@@ -267,7 +281,7 @@ def layouts(cfg: Glm5NextConfig, max_tp: int) -> list[tuple[int, int]]:
                 continue
             try:
                 sharding.check_layout(cfg, ParallelContext.for_rank(tp, 0, ep))
-                weight_bytes(cfg, tp, ep)
+                weight_bytes(cfg, tp, ep, quantization=quantization)
             except (ConfigError, ShardingError):
                 continue
             out.append((tp, ep))
@@ -281,7 +295,7 @@ def smallest_fitting_layout(cfg: Glm5NextConfig, engine: EngineConfig, device_by
     """The plan of the smallest (tp, ep) up to max_tp that fits, or None. mem_fraction_static:
     a fraction, or a function of tp (SGLang's default depends on it); device_bytes: per rank, or a
     function of tp (ranks sharing one host's memory)."""
-    for tp, ep in layouts(cfg, max_tp):
+    for tp, ep in layouts(cfg, max_tp, quantization):
         frac = mem_fraction_static(tp) if callable(mem_fraction_static) else mem_fraction_static
         dev = device_bytes(tp) if callable(device_bytes) else device_bytes
         p = plan(cfg, engine, tp, ep, dev, frac, dtype, mtp, quantization, kv_cache_dtype)

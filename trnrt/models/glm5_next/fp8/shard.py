@@ -41,7 +41,7 @@ def scale_rule(name: str, shape, block: tuple[int, int], rule: Rule, ctx: Parall
         size, _ = ctx.axis(s.axis)
         blk = {len(shape) - 2: block[0], len(shape) - 1: block[1]}.get(s.dim, 1)  # leading dims: experts
         chunk, rem = divmod(shape[s.dim] // s.parts, size)
-        if blk > 1 and (rem or chunk % blk):
+        if blk > 1 and size > 1 and (rem or chunk % blk):  # an uncut dim may end in a partial block
             raise ShardingError(name, f"{s.axis} size {size} gives each rank {shape[s.dim] / s.parts / size:g} "
                                       f"of dim {s.dim} ({shape[s.dim]}), not whole {blk}-blocks of the FP8 "
                                       f"scales (weight_block_size {list(block)}): choose a --tp-size that "
