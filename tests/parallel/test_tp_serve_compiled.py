@@ -82,3 +82,27 @@ def test_another_layout_is_refused(tp_art):
     with pytest.raises(CompiledArtifactError, match="no tp2ep2 manifest.json") as e:
         load_rank_compiled(tp_art.parent.parent.parent, model, state, ec, ctx)  # the root: no tp2ep2 below it
     assert e.value.reason == "missing"
+
+
+def test_serve_picks_the_rank_loader(tmp_path, monkeypatch):
+    """`trnrt serve --tp-size 2`: --compiled DIR refuses on any rank's refusal; without it the
+    artifact cache's tp2ep1 graphs run when there are any (a refusal: all eager); else eager."""
+    from types import SimpleNamespace
+
+    from trnrt.cli.serve_engine import rank_loader
+    from trnrt.compile.artifact_cache import artifact_root
+    from trnrt.engine.core.tp_config import ParallelConfig
+
+    monkeypatch.setenv("TRNRT_CACHE_DIR", str(tmp_path / "cache"))
+    par, model = ParallelConfig(tp_size=2, ep_size=1), tmp_path / "ckpt"
+    args = SimpleNamespace(compiled=str(tmp_path / "art"), backend=None, disable_compiled_cache=False, preset="default")
+    loader = rank_loader(args, str(model), par)
+    assert (loader.directory, loader.fallback_eager, loader.tensor_parallel) == (str(tmp_path / "art"), False, True)
+    args.compiled = None
+    assert rank_loader(args, str(model), par) is None  # nothing cached: eager
+    cached = artifact_root(model) / "default" / "cpu" / "tp2ep1"
+    cached.mkdir(parents=True)
+    (cached / "manifest.json").write_text("{}")
+    loader = rank_loader(args, str(model), par)
+    assert (loader.directory, loader.fallback_eager) == (str(cached), True)
+    assert rank_loader(SimpleNamespace(**{**vars(args), "disable_compiled_cache": True}), str(model), par) is None
