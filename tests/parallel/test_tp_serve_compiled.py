@@ -43,6 +43,7 @@ def ranks(tp_art, tmp_path_factory) -> list[dict]:
                   art=str(tp_art.parent.parent.parent), scratch=str(tmp_path_factory.mktemp("tpsc_scratch")))
 
 
+@pytest.mark.slow  # one AOTInductor compile (module fixture)
 def test_ranks_run_the_compiled_graph_and_equal_eager(ranks):
     for r, out in enumerate(ranks):
         assert out["ids"] == [GRAPH], (r, out["ids"])
@@ -53,12 +54,14 @@ def test_ranks_run_the_compiled_graph_and_equal_eager(ranks):
     assert ranks[0]["tokens"] == ranks[1]["tokens"]
 
 
+@pytest.mark.slow  # one AOTInductor compile (module fixture)
 def test_another_layout_hash_is_refused_by_the_rank(ranks):
     for r, out in enumerate(ranks):
         why = out["refused_hash"]
         assert why.startswith("graph_hash: refusing ") and f"graph {GRAPH} was compiled from other code" in why, (r, why)
 
 
+@pytest.mark.slow  # one AOTInductor compile (module fixture)
 def test_a_graph_on_one_rank_only_never_splits_the_ranks(ranks):
     for r, out in enumerate(ranks):
         refused, eager = out["agree"]["False"], out["agree"]["True"]
@@ -67,6 +70,7 @@ def test_a_graph_on_one_rank_only_never_splits_the_ranks(ranks):
         assert eager == "loaded 0", (r, eager)
 
 
+@pytest.mark.slow  # one AOTInductor compile (module fixture)
 def test_another_layout_is_refused(tp_art):
     from trnrt.compile.loader import CompiledArtifactError
     from trnrt.compile.tp_loader import load_rank_compiled
