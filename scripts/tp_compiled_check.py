@@ -6,8 +6,8 @@
 Every rank loads its own rank model of the embedded tiny checkpoint, the ONE package of the graph
 (cpu backend: its own weights and vocab_start / expert_start bound at load), runs it on a real
 decode row (one token, slot 1, block 1) and runs the same step eagerly on a fresh state; prints
-per rank the sampled tokens, max |Δ logprob| compiled vs eager and the top ids. The serve side
-(`trnrt serve --tp-size`) does not load TP graphs yet; this is the evidence that it can.
+per rank the sampled tokens, max |Δ logprob| compiled vs eager and the top ids. `trnrt serve --tp-size N --compiled
+DIR` runs such graphs (trnrt/compile/tp_loader.py, tests/parallel/test_tp_serve_compiled.py).
 """
 
 from __future__ import annotations

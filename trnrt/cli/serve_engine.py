@@ -4,7 +4,8 @@
 (the model, or `--scripted`'s scripted runner) from `resolve_server_configs(args)`;
 `engine_core_factory` is the picklable factory the engine process (trnrt.engine.core.core_proc)
 calls by name. The compiled-graph loaders (`--compiled DIR`, the artifact cache) are here too;
-`trnrt generate` shares `compiled_loader`. Nothing heavy is imported at module level.
+`trnrt generate` shares `compiled_loader`; `rank_loader` is `--tp-size` N's (every rank loads the
+layout's graphs with its own model: trnrt.compile.tp_loader). Nothing heavy is imported at module level.
 """
 
 from __future__ import annotations
@@ -114,10 +115,8 @@ def build_engine(args: ServerArgs):
         raise typer.Exit(1)
 
     parallel = args.parallel_config()
-    if parallel.enabled:  # eager per rank (compiled TP graphs are built by trnrt compile, not loaded yet)
-        if args.compiled:
-            raise typer.BadParameter("--tp-size > 1 runs eagerly; compiled graphs per rank are not loaded yet",
-                                     param_hint="--compiled")
+    if parallel.enabled:  # every rank loads the layout's graphs with its own model (compile.tp_loader)
+        from trnrt.models.glm5_next.fp8.load import wants_fp8
         from trnrt.models.glm5_next.fp8.rank_load import check_fp8_layout
         from trnrt.parallel.shard import ShardingError
 
@@ -125,7 +124,11 @@ def build_engine(args: ServerArgs):
             check_fp8_layout(model_dir, parallel.tp_size, parallel.ep_size, args.quantization)
         except ShardingError as e:
             raise typer.BadParameter(str(e), param_hint="--tp-size / --ep-size") from None
-        loader = None  # FP8 weights / KV cache at TP > 1: the FP8 rank model, eager (tp_build.RankSetup)
+        fp8 = wants_fp8(model_dir, args.quantization) or args.kv_cache_dtype == "fp8_e4m3"
+        if fp8 and args.compiled:  # the FP8 rank model runs eagerly: no FP8 graphs per rank are built
+            raise typer.BadParameter("--tp-size > 1 with FP8 weights or an FP8 KV cache runs eagerly (trnrt compile "
+                                     "builds no FP8 graphs per rank yet)", param_hint="--compiled")
+        loader = None if fp8 else rank_loader(args, model_dir, parallel)
     elif args.compiled:
         loader = compiled_loader(args.compiled, args.backend)
     else:
@@ -159,6 +162,34 @@ def compiled_loader(directory: str, backend: str | None):
         return load_compiled(directory, model, state, engine_config, backend=backend)
 
     return loader
+
+
+def rank_loader(args, model_dir: str, parallel):
+    """The compiled-graph loader of a `--tp-size N` engine (trnrt.compile.tp_loader): the
+    tp{N}ep{M} graphs of `--compiled DIR` (any rank refusing them fails the start-up), else of the
+    artifact cache (a refusal on any rank: every rank runs eagerly), else None (eager)."""
+    from trnrt.compile.tp_loader import RankCompiledLoader
+
+    if args.compiled:
+        return RankCompiledLoader(str(args.compiled), args.backend, fallback_eager=False)
+    if args.disable_compiled_cache:
+        return None
+    from trnrt.compile.artifact_cache import cached_tp_artifacts
+    from trnrt.config.presets import PresetError, read_preset
+
+    try:
+        preset = read_preset(args.preset or "default").name
+    except PresetError:
+        return None  # resolving the configs reports the preset
+    backend = args.backend or "cpu"
+    key = f"tp{parallel.tp_size}ep{parallel.ep_size}"
+    cached = cached_tp_artifacts(model_dir, preset, backend, parallel.tp_size, parallel.ep_size)
+    if cached is None:
+        log.info("no compiled %s graphs of preset %s (%s) in the artifact cache: running eagerly (`trnrt compile "
+                 "--preset %s --tp-size %d --ep-size %d` builds them once)", key, preset, backend, preset,
+                 parallel.tp_size, parallel.ep_size)
+        return None
+    return RankCompiledLoader(str(cached), backend, fallback_eager=True)
 
 
 def cached_loader(model_dir: str, preset: str | None, backend: str | None, quantization: str | None = None,

@@ -37,7 +37,7 @@ from .manifest import (MANIFEST_NAME, Manifest, code_digest, model_config_hash, 
 class CompiledArtifactError(ValueError):
     """A compiled artifact does not fit the model / preset / code. `reason` is one of
     "missing", "model_config", "quantization", "preset", "flags", "versions", "graph_hash",
-    "graph_missing", "graph_failed", "backend"."""
+    "graph_missing", "graph_failed", "backend", "parallel" (a tensor-parallel layout: compile.tp_loader)."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
@@ -72,7 +72,9 @@ def find_manifest_dir(directory: str | Path, engine_config: EngineConfig, backen
 
 def load_compiled(directory: str | Path, model: torch.nn.Module, state: Any, engine_config: EngineConfig,
                   *, backend: str | None = None, check_graphs: bool | None = None,
-                  specs: Iterable[GraphSpec] | None = None) -> dict[GraphSpec, Callable]:
+                  specs: Iterable[GraphSpec] | None = None, manifest_dir: Path | None = None,
+                  graph_key: Callable[[str], str] | None = None,
+                  partial: bool = False) -> dict[GraphSpec, Callable]:
     """Callables for every spec of expand(engine_config), from the artifacts in `directory`.
 
     Each callable takes the step inputs (STEP_INPUT_NAMES, then a variant's extra inputs) at the
@@ -82,10 +84,14 @@ def load_compiled(directory: str | Path, model: torch.nn.Module, state: Any, eng
     check_graphs: re-export every spec and compare its graph hash with the manifest's. None
     (default) does so only when the source of the graph-defining modules or the torch version
     differs from the compile's (a few seconds per graph); True always; False never.
+    manifest_dir: the directory of manifest.json, already found (a tensor-parallel layout's,
+    compile.tp_loader); graph_key(fingerprint) -> the manifest's graph_hash (default: itself; at
+    TP > 1 compile.tp.layout_hash over the rank's layout). partial: load the specs the manifest
+    holds and leave out the others (they run eagerly) instead of refusing a missing one.
     Raises CompiledArtifactError (reason says which check failed).
     """
     quant = quantization_of(model, state)
-    mdir = find_manifest_dir(directory, engine_config, backend, quant)
+    mdir = Path(manifest_dir) if manifest_dir is not None else find_manifest_dir(directory, engine_config, backend, quant)
     man = Manifest.read(mdir)
     if backend is not None and man.backend != backend:
         raise CompiledArtifactError("backend", f"{mdir} holds {man.backend} artifacts, not {backend}")
@@ -131,6 +137,8 @@ def load_compiled(directory: str | Path, model: torch.nn.Module, state: Any, eng
     out: dict[GraphSpec, Callable] = {}
     for spec in (expand(engine_config) if specs is None else list(specs)):
         entry = man.entry(spec.graph_id)
+        if entry is None and partial:
+            continue
         if entry is None:
             raise CompiledArtifactError("graph_missing", f"refusing {mdir}: no compiled graph {spec.graph_id}")
         if entry.status not in ("ok", "load-time"):
@@ -138,6 +146,7 @@ def load_compiled(directory: str | Path, model: torch.nn.Module, state: Any, eng
                                         f"{entry.status!r}{': ' + entry.error if entry.error else ''}")
         if check_graphs:
             h = fingerprint(export_spec(model, state, engine_config, spec).program).hash
+            h = graph_key(h) if graph_key is not None else h
             if h != entry.graph_hash:
                 raise CompiledArtifactError(
                     "graph_hash", f"refusing {mdir}: graph {spec.graph_id} was compiled from other code "

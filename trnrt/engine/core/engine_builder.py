@@ -107,7 +107,10 @@ class EngineBuilderMixin:
 
         parallel (trnrt.engine.core.tp_config.ParallelConfig; `trnrt serve --tp-size N`): with
         tp_size > 1 this engine is rank 0: it starts the worker ranks and runs a MirroredRunner
-        (trnrt.engine.core.tp_runner), eagerly; tp_size 1 (or None) is the single-process path.
+        (trnrt.engine.core.tp_runner); its compiled_loader must then be a picklable rank loader
+        (`tensor_parallel` true: trnrt.compile.tp_loader.RankCompiledLoader), which every rank
+        calls with its own model (trnrt.engine.core.tp_compiled); tp_size 1 (or None) is the
+        single-process path.
         """
         import torch
         from transformers import AutoTokenizer
@@ -131,8 +134,15 @@ class EngineBuilderMixin:
         check_speculative_flags(ecfg, ecfg.variants)
         dtype = getattr(torch, ecfg.dtype)
         if parallel is not None and parallel.enabled:
-            if compiled_loader is not None or drafter_factory is not None:
-                raise ValueError("--tp-size > 1 runs eagerly (compiled graphs per rank: issue #31 item 5)")
+            if drafter_factory is not None:
+                raise ValueError("--tp-size > 1 builds its drafter on every rank (no drafter_factory)")
+            if compiled_loader is not None and not getattr(compiled_loader, "tensor_parallel", False):
+                # the loader travels to every rank (pickled) and is called with that rank's model
+                raise ValueError("--tp-size > 1 needs a rank loader of compiled graphs "
+                                 "(trnrt.compile.tp_loader.RankCompiledLoader), not a one-process one")
+            if compiled_loader is not None and (quantization or kv_cache_dtype == "fp8_e4m3"):
+                raise ValueError("--tp-size > 1 with FP8 (--quantization / --kv-cache-dtype fp8_e4m3) runs eagerly: "
+                                 "no FP8 graphs per rank are compiled")
             from trnrt.engine.core.tp_build import RankSetup
             from trnrt.engine.core.tp_launch import start_rank_zero
             from trnrt.models.glm5_next.fp8.kv_dtype import resolve_kv_cache_dtype
@@ -142,9 +152,10 @@ class EngineBuilderMixin:
             resolve_kv_cache_dtype(kv_cache_dtype, dtype)  # bad values fail here, before any rank starts
             check_fp8_layout(path, parallel.tp_size, parallel.ep_size, quantization)  # a split scale block
             setup = RankSetup(str(path), ecfg, speculative.num_steps if speculative is not None else None, device,
-                              quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+                              quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                              compiled_loader=compiled_loader, compiled_backend=compiled_backend)
             runner = start_rank_zero(parallel, setup)  # torch threads resolved per rank there
-            model, compiled = runner.model, None
+            model, compiled = runner.model, (runner.compiled or None)  # the same graphs on every rank
             mcfg = model.config
             if speculative is not None:
                 scfg = dataclasses.replace(scfg, num_speculative_tokens=speculative.num_steps)

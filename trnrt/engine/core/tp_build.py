@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from trnrt.config import EngineConfig
 
@@ -30,6 +31,10 @@ class RankSetup:
     quantization: "fp8" quantizes a bf16 checkpoint per block at load (an FP8 checkpoint is FP8
     without it): the FP8 rank model (glm5_next.fp8.rank_load). kv_cache_dtype: "fp8_e4m3" stores
     the (replicated) MLA latents and indexer keys in FP8 on every rank.
+    compiled_loader: None (eager), or a picklable `loader(model, state, engine_config, ctx) ->
+    {GraphSpec: callable}` that each rank calls with its own model (the CLI passes
+    trnrt.compile.tp_loader.RankCompiledLoader; the ranks then agree: tp_compiled.load_agreed).
+    compiled_backend: the backend name of those graphs (torch threads, reports).
     """
 
     model_dir: str
@@ -38,6 +43,8 @@ class RankSetup:
     device: str = "cpu"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    compiled_loader: Any = None
+    compiled_backend: str = "cpu"
 
 
 def rank_model_available() -> bool:
@@ -84,8 +91,10 @@ def allocate_state(model, ecfg: EngineConfig, dtype, device: str, mtp: bool):
 
 
 def build_runner(setup: RankSetup, ctx, ranks_per_node: int = 1):
-    """The ModelRunner (SpecModelRunner with spec_steps) of `ctx`'s rank, eager (compiling per
-    rank is issue #31 item 5). Its torch threads: as at TP=1 (one for a small model), a default
+    """The ModelRunner (SpecModelRunner with spec_steps) of `ctx`'s rank: eager, or with the
+    compiled graphs of `setup.compiled_loader` bound to this rank's model and state (the same
+    graphs on every rank, or start-up fails: tp_compiled.load_agreed; a collective, so every rank
+    calls build_runner). Its torch threads: as at TP=1 (one for a small model), a default
     share of the cores divided by the ranks on this node (an explicit $TRNRT_TORCH_THREADS is kept)."""
     import torch
 
@@ -105,13 +114,19 @@ def build_runner(setup: RankSetup, ctx, ranks_per_node: int = 1):
         use_fp8_kv_cache(model)
         state = to_fp8_kv_state(state)
     vocab = model.config.vocab_size
+    compiled = None
+    if setup.compiled_loader is not None:
+        from trnrt.engine.core.tp_compiled import load_agreed
+
+        compiled = load_agreed(setup.compiled_loader, model, state, ecfg, ctx) or None
     if not mtp:
-        runner = ModelRunner(model, state, ecfg, vocab)
+        runner = ModelRunner(model, state, ecfg, vocab, compiled=compiled)
     else:
         from trnrt.engine.spec.runner import SpecModelRunner
 
-        runner = SpecModelRunner(model, state, ecfg, vocab, num_steps=setup.spec_steps)
-    n, source = resolve_torch_threads("eager", setup.device, None, count_params(model))
+        runner = SpecModelRunner(model, state, ecfg, vocab, num_steps=setup.spec_steps, compiled=compiled)
+    backend = setup.compiled_backend if compiled else "eager"
+    n, source = resolve_torch_threads(backend, setup.device, None, count_params(model))
     runner.torch_threads = max(1, n // ranks_per_node) if source == "default" else n
     from trnrt.engine.core.tp_fault import install_test_fault
 
