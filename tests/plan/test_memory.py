@@ -121,9 +121,13 @@ def test_cli_prints_the_table_and_exits_1_when_it_does_not_fit():
     assert bad.exit_code == 1 and "TP 16" in bad.output
 
 
-def test_cpu_ranks_share_the_host_memory(tiny):
+def test_cpu_ranks_share_the_host_memory(tiny, monkeypatch):
     from trnrt.config.presets import load_preset
+    from trnrt.plan import devices
     from trnrt.plan.devices import device
+
+    # the CPU's memory is MemAvailable, read at each call: hold it still (other tests allocate meanwhile)
+    monkeypatch.setattr(devices, "_mem_available", lambda: 20 * 2**30)
 
     cpu = device("cpu")
     p1 = check_fits(tiny, load_preset("default"), tp=1, device="cpu")

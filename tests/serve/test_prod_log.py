@@ -122,7 +122,13 @@ def test_client_abort_is_logged_as_abort(logged):
     s.sendall((f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
     s.recv(200)  # the stream started
-    s.close()
+    server.engine.runner.paused.set()  # hold the engine mid-answer: it cannot finish before the hang-up is seen
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+        s.close()
+        time.sleep(0.2)  # the worker notices the hang-up while the engine is held
+    finally:
+        server.engine.runner.paused.clear()
     _wait_for(lambda: any(r["request_id"] == "hangs-up" for r in _records(d)[before:]), timeout=10)
     (rec,) = [r for r in _records(d)[before:] if r["request_id"] == "hangs-up"]
     assert rec["finish_reason"] == "abort" and rec["route"] == "/generate"
