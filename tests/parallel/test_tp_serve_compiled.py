@@ -14,6 +14,7 @@ One-process: a manifest of another layout is refused, naming both layouts.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -22,6 +23,15 @@ from launcher import launch
 from tp_serve_compiled_checks import DECODE_STEPS, serve_compiled
 
 GRAPH = "decode-b1-t1-base"
+
+
+# Opt-in (not in CI): the compiled graph's first in-graph collective timed out (60 s, gloo recv)
+# on one rank in 2 of ~7 runs of this module while other gloo tests ran beside it (CI's run and
+# `pytest -n 2 tests/parallel`); it passed every time alone and under CPU load alone. Not root-
+# caused, so compiled TP graphs are experimental (docs/COMPILE.md) and these tests run only with
+# TRNRT_TP_COMPILED_TESTS=1.
+needs_opt_in = pytest.mark.skipif(os.environ.get("TRNRT_TP_COMPILED_TESTS") != "1",
+                                  reason="compiled TP graphs are experimental: TRNRT_TP_COMPILED_TESTS=1 runs these")
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +53,7 @@ def ranks(tp_art, tmp_path_factory) -> list[dict]:
                   art=str(tp_art.parent.parent.parent), scratch=str(tmp_path_factory.mktemp("tpsc_scratch")))
 
 
+@needs_opt_in
 @pytest.mark.slow  # one AOTInductor compile (module fixture)
 def test_ranks_run_the_compiled_graph_and_equal_eager(ranks):
     for r, out in enumerate(ranks):
@@ -54,6 +65,7 @@ def test_ranks_run_the_compiled_graph_and_equal_eager(ranks):
     assert ranks[0]["tokens"] == ranks[1]["tokens"]
 
 
+@needs_opt_in
 @pytest.mark.slow  # one AOTInductor compile (module fixture)
 def test_another_layout_hash_is_refused_by_the_rank(ranks):
     for r, out in enumerate(ranks):
@@ -61,6 +73,7 @@ def test_another_layout_hash_is_refused_by_the_rank(ranks):
         assert why.startswith("graph_hash: refusing ") and f"graph {GRAPH} was compiled from other code" in why, (r, why)
 
 
+@needs_opt_in
 @pytest.mark.slow  # one AOTInductor compile (module fixture)
 def test_a_graph_on_one_rank_only_never_splits_the_ranks(ranks):
     for r, out in enumerate(ranks):
@@ -70,6 +83,7 @@ def test_a_graph_on_one_rank_only_never_splits_the_ranks(ranks):
         assert eager == "loaded 0", (r, eager)
 
 
+@needs_opt_in
 @pytest.mark.slow  # one AOTInductor compile (module fixture)
 def test_another_layout_is_refused(tp_art):
     from trnrt.compile.loader import CompiledArtifactError
@@ -89,8 +103,9 @@ def test_another_layout_is_refused(tp_art):
 
 
 def test_serve_picks_the_rank_loader(tmp_path, monkeypatch):
-    """`trnrt serve --tp-size 2`: --compiled DIR refuses on any rank's refusal; without it the
-    artifact cache's tp2ep1 graphs run when there are any (a refusal: all eager); else eager."""
+    """`trnrt serve --tp-size 2`: --compiled DIR gives the rank loader (any rank's refusal fails
+    the start-up); without it every rank runs eagerly, even with TP graphs in the artifact cache
+    (compiled TP graphs are experimental: they run only when asked for)."""
     from types import SimpleNamespace
 
     from trnrt.cli.serve_engine import rank_loader
@@ -103,10 +118,7 @@ def test_serve_picks_the_rank_loader(tmp_path, monkeypatch):
     loader = rank_loader(args, str(model), par)
     assert (loader.directory, loader.fallback_eager, loader.tensor_parallel) == (str(tmp_path / "art"), False, True)
     args.compiled = None
-    assert rank_loader(args, str(model), par) is None  # nothing cached: eager
     cached = artifact_root(model) / "default" / "cpu" / "tp2ep1"
     cached.mkdir(parents=True)
     (cached / "manifest.json").write_text("{}")
-    loader = rank_loader(args, str(model), par)
-    assert (loader.directory, loader.fallback_eager) == (str(cached), True)
-    assert rank_loader(SimpleNamespace(**{**vars(args), "disable_compiled_cache": True}), str(model), par) is None
+    assert rank_loader(args, str(model), par) is None  # the cache is not read at TP > 1

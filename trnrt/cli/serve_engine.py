@@ -166,30 +166,19 @@ def compiled_loader(directory: str, backend: str | None):
 
 def rank_loader(args, model_dir: str, parallel):
     """The compiled-graph loader of a `--tp-size N` engine (trnrt.compile.tp_loader): the
-    tp{N}ep{M} graphs of `--compiled DIR` (any rank refusing them fails the start-up), else of the
-    artifact cache (a refusal on any rank: every rank runs eagerly), else None (eager)."""
+    tp{N}ep{M} graphs of `--compiled DIR` (any rank refusing them fails the start-up), else None
+    (eager). Compiled TP graphs are experimental (docs/COMPILE.md: an intermittent hang of an
+    in-graph collective under concurrent load, not root-caused), so they run only when asked
+    for: the artifact cache is not read at TP > 1."""
     from trnrt.compile.tp_loader import RankCompiledLoader
 
     if args.compiled:
+        log.warning("compiled tensor-parallel graphs are experimental (docs/COMPILE.md): an in-graph collective "
+                    "has hung intermittently under load; a hung rank fails after TRNRT_TP_TIMEOUT_S")
         return RankCompiledLoader(str(args.compiled), args.backend, fallback_eager=False)
-    if args.disable_compiled_cache:
-        return None
-    from trnrt.compile.artifact_cache import cached_tp_artifacts
-    from trnrt.config.presets import PresetError, read_preset
-
-    try:
-        preset = read_preset(args.preset or "default").name
-    except PresetError:
-        return None  # resolving the configs reports the preset
-    backend = args.backend or "cpu"
-    key = f"tp{parallel.tp_size}ep{parallel.ep_size}"
-    cached = cached_tp_artifacts(model_dir, preset, backend, parallel.tp_size, parallel.ep_size)
-    if cached is None:
-        log.info("no compiled %s graphs of preset %s (%s) in the artifact cache: running eagerly (`trnrt compile "
-                 "--preset %s --tp-size %d --ep-size %d` builds them once)", key, preset, backend, preset,
-                 parallel.tp_size, parallel.ep_size)
-        return None
-    return RankCompiledLoader(str(cached), backend, fallback_eager=True)
+    log.info("tp%dep%d: running eagerly (compiled TP graphs run only with --compiled DIR; the artifact cache is not "
+             "read at --tp-size > 1)", parallel.tp_size, parallel.ep_size)
+    return None
 
 
 def cached_loader(model_dir: str, preset: str | None, backend: str | None, quantization: str | None = None,

@@ -41,7 +41,7 @@ KvCacheDtype = Annotated[str, _opt("--kv-cache-dtype", panel=MODEL, help="auto |
 
 # -- Graphs: preset and compiled artifacts -------------------------------------------------------
 Preset = Annotated[str, _opt("--preset", panel=GRAPHS, help="Graph-shaping preset (presets/*.toml).")]
-Compiled = Annotated[Optional[str], _opt("--compiled", panel=GRAPHS, help="Run the graphs `trnrt compile --out DIR` built for --preset (refused if built from another model, preset or graph); with --tp-size N, the tp{N}ep{M}/ graphs of `trnrt compile --tp-size N`, each rank binding its own shards.", metavar="DIR")]
+Compiled = Annotated[Optional[str], _opt("--compiled", panel=GRAPHS, help="Run the graphs `trnrt compile --out DIR` built for --preset (refused if built from another model, preset or graph); with --tp-size N (experimental), the tp{N}ep{M}/ graphs of `trnrt compile --tp-size N`, each rank binding its own shards.", metavar="DIR")]
 Backend = Annotated[Optional[str], _opt("--backend", panel=GRAPHS, help="Backend of the --compiled artifacts (cpu | cuda | neuron; default: the one found).")]
 DisableCompiledCache = Annotated[bool, _opt("--disable-compiled-cache/", panel=GRAPHS, help="Without --compiled: run eagerly even when `trnrt compile` left graphs of this model and preset in the artifact cache (default: use them when valid).")]
 

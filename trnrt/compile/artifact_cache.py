@@ -47,9 +47,3 @@ def cached_artifacts(model_dir: str | os.PathLike, preset: str, backend: str = "
     return d if (d / MANIFEST_NAME).is_file() else None
 
 
-def cached_tp_artifacts(model_dir: str | os.PathLike, preset: str, backend: str, tp_size: int,
-                        ep_size: int) -> Path | None:
-    """The cached tp{N}ep{M} directory that `trnrt compile --tp-size N --ep-size M` (no --out)
-    wrote for (model, preset, backend), or None. The loader (compile.tp_loader) validates it."""
-    d = artifact_root(model_dir) / preset / backend / f"tp{tp_size}ep{ep_size}"
-    return d if (d / MANIFEST_NAME).is_file() else None
