@@ -45,5 +45,3 @@ def cached_artifacts(model_dir: str | os.PathLike, preset: str, backend: str = "
 
     d = quantized_dir(artifact_root(model_dir) / preset / backend, quantization)
     return d if (d / MANIFEST_NAME).is_file() else None
-
-

@@ -146,7 +146,6 @@ class EngineBuilderMixin:
             from trnrt.engine.core.tp_build import RankSetup
             from trnrt.engine.core.tp_launch import start_rank_zero
             from trnrt.models.glm5_next.fp8.kv_dtype import resolve_kv_cache_dtype
-
             from trnrt.models.glm5_next.fp8.rank_load import check_fp8_layout
 
             resolve_kv_cache_dtype(kv_cache_dtype, dtype)  # bad values fail here, before any rank starts

@@ -4,7 +4,8 @@ them, built the same way on rank 0 and on every worker from one picklable RankSe
 The model is `trnrt.models.glm5_next.rank_model.load_rank_model(model_dir, dtype, ctx,
 load_mtp, device)` (the rank's shards; logits all-gathered to the full vocabulary) where that
 module exists, `fp8.rank_load.load_fp8_rank_model` for FP8 weights (an FP8 checkpoint or
-`quantization="fp8"`; `kv_cache_dtype="fp8_e4m3"` re-classes its MLA to the FP8-cache forms); otherwise (`REPLICATED_FALLBACK`) every rank loads the whole TP=1 model, which
+`quantization="fp8"`; `kv_cache_dtype="fp8_e4m3"` re-classes its MLA to the FP8-cache forms);
+otherwise (`REPLICATED_FALLBACK`) every rank loads the whole TP=1 model, which
 runs the same steps and samples the same tokens on every rank: the process model, the broadcast,
 the agreement check and the death handling are then exercised without any sharding.
 """

@@ -47,7 +47,6 @@ from .load import _assign, _child, _configs, _replace, load_fp8_model, prepare_f
 from .modules import Fp8Experts, Fp8Linear
 from .rank_quantize import quantize_rank_state_dict
 from .rank_read import plan, read_fp8_rank_state_dict
-from .shard import shard_fp8_tensors  # noqa: F401  (the reference cut, with read_fp8_parts)
 
 log = logging.getLogger("trnrt.models.glm5_next")
 
